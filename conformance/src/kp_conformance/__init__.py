@@ -1,0 +1,26 @@
+"""kp-conformance: shared strategies, tiers, tolerance rule and reporting for kp's kernel specs."""
+
+from kp_conformance.env import arch, device, dtype_id, interpreting, not_covered_reason
+from kp_conformance.spec import SPECS, Spec, declare
+from kp_conformance.strategies import LAYOUTS, make_input, row_shapes
+from kp_conformance.tiers import TIERS, current, register_profiles
+from kp_conformance.tolerance import atol_for, check_close
+
+__all__ = [
+    "LAYOUTS",
+    "SPECS",
+    "Spec",
+    "declare",
+    "TIERS",
+    "arch",
+    "atol_for",
+    "check_close",
+    "current",
+    "device",
+    "dtype_id",
+    "interpreting",
+    "make_input",
+    "not_covered_reason",
+    "register_profiles",
+    "row_shapes",
+]

@@ -1,0 +1,97 @@
+"""pytest plugin: records each conformance cell (kernel x dtype x property) and writes the run's JSON.
+
+A test opts in with `@pytest.mark.conformance(kernel=..., prop=...)`; its dtype comes from a `dtype`
+parameter when it has one. Outcomes map to cells: passed -> pass, failed -> fail, skipped -> not covered
+(with the skip's reason). A skip is never counted as a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from kp_conformance import env, tiers
+
+_STATUS = {"passed": "pass", "failed": "fail", "skipped": "not covered"}
+
+
+_CELLS: dict[tuple[str, str, str], list[dict]] = {}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "conformance(kernel, prop): a conformance matrix cell")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    marker = item.get_closest_marker("conformance")
+    if marker is None or (report.when != "call" and not (report.when == "setup" and report.outcome != "passed")):
+        return
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    dtype = str(params.get("dtype", "-")).replace("torch.", "")
+    reason = ""
+    if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+    elif report.outcome == "failed":
+        reason = str(report.longrepr).strip().splitlines()[-1][:300] if report.longrepr else ""
+    cell = {
+        "kernel": marker.kwargs["kernel"],
+        "property": marker.kwargs["prop"],
+        "dtype": dtype,
+        "status": _STATUS[report.outcome],
+        "reason": reason,
+        "test": item.nodeid,
+    }
+    report.user_properties.append(("kp_cell", json.dumps(cell)))
+
+
+def pytest_runtest_logreport(report):
+    # Runs in the controller under xdist too, with the workers' user_properties.
+    for key, value in getattr(report, "user_properties", ()):
+        if key == "kp_cell":
+            cell = json.loads(value)
+            _CELLS.setdefault((cell["kernel"], cell["property"], cell["dtype"]), []).append(cell)
+
+
+def _merge(cells: list[dict]) -> dict:
+    """One cell from several tests: any fail fails; else any pass passes; else not covered."""
+    statuses = {c["status"] for c in cells}
+    status = "fail" if "fail" in statuses else "pass" if "pass" in statuses else "not covered"
+    reasons = sorted({c["reason"] for c in cells if c["status"] == status and c["reason"]})
+    return {**cells[0], "status": status, "reason": "; ".join(reasons), "tests": len(cells)}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes the report
+        return
+    cells = _CELLS
+    if not cells:
+        return
+    default = (
+        Path.cwd() / "conformance" / "reports" if (Path.cwd() / "conformance").is_dir() else Path.cwd() / "kp-reports"
+    )
+    out_dir = Path(os.environ.get("KP_REPORT_DIR", default))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "arch": env.arch(),
+        "device": env.device_name(),
+        "tier": tiers.current().name,
+        **env.versions(),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cells": sorted((_merge(v) for v in cells.values()), key=lambda c: (c["kernel"], c["property"], c["dtype"])),
+    }
+    path = out_dir / f"{report['arch']}-{report['tier']}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    session.config._kp_report_path = path
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    path = getattr(config, "_kp_report_path", None)
+    if path:
+        terminalreporter.write_line(f"kp conformance report: {path}")

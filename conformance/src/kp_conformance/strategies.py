@@ -1,0 +1,113 @@
+"""Hypothesis strategies that favour awkward sizes: primes, block sizes +- 1, 1, zero-size batches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import strategies as st
+
+from kp_conformance.tiers import Tier
+
+# Block-size neighbours, primes and the widths real models use.
+AWKWARD_COLS = (
+    1,
+    2,
+    3,
+    5,
+    7,
+    13,
+    31,
+    32,
+    33,
+    63,
+    64,
+    65,
+    97,
+    127,
+    128,
+    129,
+    255,
+    256,
+    257,
+    509,
+    1023,
+    1024,
+    1025,
+    2047,
+    2048,
+    2049,
+    3001,
+    4095,
+    4096,
+    4097,
+    5120,
+    8191,
+    8192,
+    8193,
+    14336,
+    16383,
+    16384,
+    16385,
+    19997,
+    32768,
+    65535,
+    65536,
+    65537,
+    131072,
+    262144,
+)
+AWKWARD_ROWS = (0, 1, 2, 3, 5, 7, 16, 31, 33, 127, 257, 1024, 1031, 4096, 8192, 16384, 65536)
+LAYOUTS = ("contiguous", "row_strided", "transposed")
+
+
+def cols(tier: Tier) -> st.SearchStrategy[int]:
+    fixed = [c for c in AWKWARD_COLS if c <= tier.max_cols]
+    return st.one_of(st.sampled_from(fixed), st.integers(1, tier.max_cols))
+
+
+@st.composite
+def row_shapes(draw, tier: Tier) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(full input shape, normalized_shape): 0-2 leading dims and a 1- or 2-dim normalised part."""
+    n = draw(cols(tier))
+    norm: tuple[int, ...] = (n,)
+    if n > 1 and draw(st.booleans()):
+        split = [d for d in range(2, min(n, 64) + 1) if n % d == 0]
+        if split:
+            d = draw(st.sampled_from(split))
+            norm = (d, n // d)
+    max_rows = max(1, tier.max_numel // n)
+    rows = draw(st.one_of(st.sampled_from([r for r in AWKWARD_ROWS if r <= max_rows]), st.integers(1, max_rows)))
+    lead: tuple[int, ...] = (rows,)
+    if rows > 1 and draw(st.booleans()):
+        for d in (2, 3, 5, 7):
+            if rows % d == 0:
+                lead = (d, rows // d)
+                break
+    if draw(st.integers(0, 9)) == 0:
+        lead = lead + (0,)  # a zero-size batch now and then
+    return lead + norm, norm
+
+
+def make_input(shape: tuple[int, ...], dtype: torch.dtype, device, layout: str, *, scale: float = 1.0, seed: int = 0):
+    """A tensor of `shape` in the requested memory layout (values drawn from a seeded normal)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(s):
+        return (torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+
+    if layout == "contiguous" or len(shape) == 0:
+        return randn(shape)
+    if layout == "row_strided":  # rows are a slice of wider rows: stride(-2) > shape(-1)
+        wide = randn(shape[:-1] + (shape[-1] + 3,))
+        return wide[..., 1 : 1 + shape[-1]]
+    if layout == "transposed":  # last dim is not unit-stride
+        if len(shape) < 2:
+            return randn(shape)
+        t = randn(shape[:-2] + (shape[-1], shape[-2]))
+        return t.transpose(-1, -2)
+    raise ValueError(layout)
+
+
+def numel(shape) -> int:
+    return math.prod(shape)

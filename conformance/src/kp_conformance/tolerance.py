@@ -1,0 +1,34 @@
+"""The tolerance rule: ours may be at most twice as far from float64 as PyTorch's own low-precision op."""
+
+from __future__ import annotations
+
+import torch
+
+# The float64 reference is itself rounded: its reductions (sums of up to ~1e8 terms, pairwise) are good to
+# a few dozen float64 ulps. Negligible beside fp32/fp16/bf16, it is what bounds a float64 kernel.
+REFERENCE_ULPS = 32
+
+
+def atol_for(dtype: torch.dtype, ref: torch.Tensor) -> float:
+    """One ulp of `dtype` at the output's scale (the final store's rounding) plus the reference's own error."""
+    scale = ref[torch.isfinite(ref)].abs().max().item() if ref.numel() and torch.isfinite(ref).any() else 0.0
+    return (torch.finfo(dtype).eps + REFERENCE_ULPS * torch.finfo(torch.float64).eps) * max(1.0, scale)
+
+
+def check_close(what: str, ours: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, dtype: torch.dtype) -> None:
+    """Assert max|ours - ref64| <= 2 * max|lowp - ref64| + atol; same shape and dtype as lowp; no NaN."""
+    assert ours.shape == ref64.shape, f"{what}: shape {tuple(ours.shape)} != reference {tuple(ref64.shape)}"
+    assert ours.dtype == lowp.dtype, f"{what}: dtype {ours.dtype} != PyTorch's {lowp.dtype}"
+    if ours.numel() == 0:
+        return
+    ours64, lowp64 = ours.detach().to(torch.float64).cpu(), lowp.detach().to(torch.float64).cpu()
+    ref64 = ref64.detach().cpu()
+    assert not torch.isnan(ours64).any(), f"{what}: {int(torch.isnan(ours64).sum())} NaN in our output"
+    err = (ours64 - ref64).abs()
+    err_lowp = (lowp64 - ref64).abs().max().item()
+    atol = atol_for(dtype, ref64)
+    bound = 2 * err_lowp + atol
+    assert err.max().item() <= bound, (
+        f"{what} ({dtype}): max err {err.max().item():.3e} (mean {err.mean().item():.3e}) > bound {bound:.3e} "
+        f"= 2 * torch err {err_lowp:.3e} + atol {atol:.3e}"
+    )

@@ -1,0 +1,165 @@
+"""Every kp workflow is a nox session.
+
+    nox                      the default set (lint, tests, conformance, build, docs): the README's test command
+    nox -s demo              the Llama-style demo: eager vs kp-patched, outputs, gradients, time, memory
+    nox -s bench             benchmarks against the anchors (needs a GPU)
+    nox -s conformance-report
+
+On a machine without a package registry (the GPU box) run `nox --no-venv -s conformance`: sessions then use
+the current interpreter's packages and put packages/*/src on PYTHONPATH instead of installing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+# CPU sessions pin torch's small CPU build; KP_TORCH_INDEX adds an index that serves it (e.g. PyTorch's
+# CPU wheel index on hosted CI), where the default registry only has the CUDA build.
+TORCH = os.environ.get("KP_TORCH", "torch==2.13.0")
+TORCH_INDEX = os.environ.get("KP_TORCH_INDEX")
+KERNEL_DEPS = ("triton>=3.2", "numpy")
+TEST_DEPS = ("pytest>=8", "pytest-xdist", "hypothesis>=6.100")
+
+nox.options.sessions = ["lint", "tests", "conformance", "build", "docs"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+
+def _installing(session: nox.Session) -> bool:
+    return session.venv_backend != "none"
+
+
+def _install_torch(session: nox.Session) -> None:
+    if _installing(session):
+        extra = ("--extra-index-url", TORCH_INDEX) if TORCH_INDEX else ()
+        session.install(TORCH, *extra, *KERNEL_DEPS)
+
+
+def _install_packages(session: nox.Session, *names: str) -> dict[str, str]:
+    """Install packages/<name> (non-editable: what users get); without a venv, use the sources in place."""
+    if _installing(session):
+        session.install("--no-deps", *(str(ROOT / "packages" / n) for n in names))
+        return {}
+    paths = [str(ROOT / "packages" / n / "src") for n in names] + [str(ROOT / "conformance" / "src")]
+    return {"PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])}
+
+
+def _cpu_env() -> dict[str, str]:
+    # Off-GPU, kernels run under Triton's interpreter; on a GPU the caller's environment decides.
+    try:
+        import torch  # noqa: F401  (only present in --no-venv runs)
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    return {} if has_gpu or os.environ.get("TRITON_INTERPRET") else {"TRITON_INTERPRET": "1"}
+
+
+@nox.session(python="3.11", tags=["ci"])
+def lint(session: nox.Session) -> None:
+    if _installing(session):
+        session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python="3.11", tags=["ci"])
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's own tests, in a venv holding only that package and kp-core."""
+    _install_torch(session)
+    if _installing(session):
+        session.install(*TEST_DEPS)
+    env = _install_packages(session, *dict.fromkeys(["kp-core", package]))
+    env.update(_cpu_env())
+    session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "packages" / package / "tests"), env=env)
+
+
+@nox.session(python="3.11", tags=["ci"])
+def conformance(session: nox.Session) -> None:
+    """All specs. KP_TIER picks the size tier (small by default; GPU runs use large)."""
+    _install_torch(session)
+    if _installing(session):
+        session.install(*TEST_DEPS)
+        session.install("--no-deps", str(ROOT / "conformance"))
+    env = _install_packages(session, *PACKAGES)
+    env.update(_cpu_env())
+    env.setdefault("KP_TIER", os.environ.get("KP_TIER", "small"))
+    workers = session.posargs or ["-n", os.environ.get("KP_WORKERS", "2")]
+    session.run(
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(ROOT),
+        str(ROOT / "conformance" / "specs"),
+        *workers,
+        env=env,
+    )
+
+
+@nox.session(name="conformance-report", python="3.11")
+def conformance_report(session: nox.Session) -> None:
+    """Merge conformance/reports/*.json into docs/conformance-matrix.md."""
+    env = {"PYTHONPATH": str(ROOT / "conformance" / "src")}
+    session.run("python", "-m", "kp_conformance.report", env=env)
+
+
+@nox.session(python="3.11", tags=["ci"])
+def build(session: nox.Session) -> None:
+    """Build each wheel alone, install it in a clean venv with only its dependencies, import it."""
+    if not _installing(session):
+        session.skip("build needs virtualenvs")
+    session.install("build")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for name in [*PACKAGES, "conformance"]:
+        src = ROOT / ("conformance" if name == "conformance" else f"packages/{name}")
+        session.run("python", "-m", "build", "--wheel", "--outdir", str(dist), str(src), silent=True)
+    wheels = {w.name.split("-")[0].replace("_", "-"): w for w in dist.glob("*.whl")}
+    tmp = Path(session.create_tmp())
+    extra = ("--extra-index-url", TORCH_INDEX) if TORCH_INDEX else ()
+    for name in PACKAGES:
+        venv = tmp / f"clean-{name}"
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run("python", "-m", "venv", str(venv))
+        py = str(venv / "bin" / "python")
+        deps = [str(wheels["kp-core"])] if name != "kp-core" else []
+        session.run(py, "-m", "pip", "install", "-q", TORCH, *extra, *deps, str(wheels[name]), external=True)
+        module = name.replace("-", "_")
+        check = f"import {module}; print({module}.__name__, {module}.__version__, 'imports alone')"
+        session.run(py, "-c", check, external=True)
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """A small Llama-style model, eager vs kp-patched: outputs, gradients, time and peak memory."""
+    _install_torch(session)
+    env = _install_packages(session, *PACKAGES)
+    env.update(_cpu_env())
+    session.run("python", str(ROOT / "benchmarks" / "demo.py"), *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Benchmarks against the anchors in the same run (GPU only); writes benchmarks/results/<device>/."""
+    _install_torch(session)
+    if _installing(session):
+        session.install("matplotlib", "tqdm")
+    env = _install_packages(session, *PACKAGES)
+    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
+        session.run("python", str(script), *session.posargs, env=env)
+
+
+@nox.session(python="3.11", tags=["ci"])
+def docs(session: nox.Session) -> None:
+    if _installing(session):
+        session.install("mkdocs>=1.6")
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))

@@ -1,0 +1,54 @@
+"""Which implementation runs a call: compiled Triton, Triton's interpreter, or the PyTorch reference."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+TRITON = "triton"
+INTERPRET = "interpret"
+REFERENCE = "reference"
+_FORCE_CHOICES = ("auto", REFERENCE, TRITON)
+
+
+@functools.lru_cache(maxsize=1)
+def has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    # Triton reads this when a kernel is decorated, so it must be set before the kernel modules import.
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def forced_backend() -> str:
+    value = os.environ.get("KP_BACKEND", "auto").strip().lower() or "auto"
+    if value not in _FORCE_CHOICES:
+        raise ValueError(f"KP_BACKEND must be one of {_FORCE_CHOICES}, got {value!r}")
+    return value
+
+
+def choose_backend(op: str, *tensors: torch.Tensor) -> str:
+    """Pick the path for one call from the first tensor's device and the environment."""
+    forced = forced_backend()
+    if forced == REFERENCE:
+        return REFERENCE
+    device = tensors[0].device
+    if has_triton() and interpreter_enabled():
+        return INTERPRET
+    if device.type == "cuda" and has_triton():  # ROCm devices are "cuda" in torch too
+        return TRITON
+    if forced == TRITON:
+        why = (
+            "Triton is not installed"
+            if not has_triton()
+            else (f"the tensors are on {device} and TRITON_INTERPRET is not 1")
+        )
+        raise RuntimeError(f"{op}: KP_BACKEND=triton but {why}")
+    return REFERENCE

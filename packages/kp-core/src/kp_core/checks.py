@@ -1,0 +1,66 @@
+"""Input checks that fail with a message naming the op, the argument, what was expected and what came."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT32_MAX = 2**31 - 1
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    tensor: object,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    device: torch.device | None = None,
+    ndim: int | None = None,
+    min_ndim: int | None = None,
+) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if dtypes is not None and tensor.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} must have dtype in ({_names(dtypes)}), got {_names([tensor.dtype])}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{op}: {name} must be on {device} (like the input), got {tensor.device}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{op}: {name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if min_ndim is not None and tensor.dim() < min_ndim:
+        raise ValueError(f"{op}: {name} must have at least {min_ndim} dimensions, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def check_shape(op: str, name: str, tensor: torch.Tensor, expected: Sequence[int]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{op}: {name} must have shape {tuple(expected)}, got {tuple(tensor.shape)}")
+
+
+def check_same_dtype(op: str, name: str, tensor: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    if tensor.dtype != like.dtype:
+        raise TypeError(
+            f"{op}: {name} must have the dtype of {like_name} ({_names([like.dtype])}), got {_names([tensor.dtype])}"
+        )
+
+
+def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
+    present = {k: t for k, t in tensors.items() if t is not None}
+    if not present:
+        return
+    first_name, first = next(iter(present.items()))
+    for name, tensor in present.items():
+        if tensor.device != first.device:
+            raise ValueError(
+                f"{op}: {name} must be on the same device as {first_name} ({first.device}), got {tensor.device}"
+            )
+
+
+def check_index_fits(op: str, name: str, count: int, limit: int = INT32_MAX) -> None:
+    if count > limit:
+        raise ValueError(f"{op}: {name} has {count} elements, more than the kernel's limit of {limit}")

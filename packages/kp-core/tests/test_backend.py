@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+import kp_core
+
+
+def test_cpu_tensor_picks_interpreter_or_reference(monkeypatch):
+    x = torch.ones(2)
+    monkeypatch.delenv("KP_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kp_core.choose_backend("op", x) == kp_core.REFERENCE
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    expected = kp_core.INTERPRET if kp_core.has_triton() else kp_core.REFERENCE
+    assert kp_core.choose_backend("op", x) == expected
+
+
+def test_kp_backend_forces_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KP_BACKEND", "reference")
+    assert kp_core.choose_backend("op", torch.ones(1)) == kp_core.REFERENCE
+
+
+def test_forcing_triton_without_a_way_to_run_it_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("KP_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="my_op: KP_BACKEND=triton"):
+        kp_core.choose_backend("my_op", torch.ones(1))
+
+
+def test_unknown_kp_backend_is_an_error(monkeypatch):
+    monkeypatch.setenv("KP_BACKEND", "fast")
+    with pytest.raises(ValueError, match="KP_BACKEND must be one of"):
+        kp_core.choose_backend("op", torch.ones(1))
+
+
+def test_launch_record_counts_and_nests():
+    with kp_core.record_launches() as outer:
+        kp_core.note_launch("kp::a", "_k1", "triton")
+        with kp_core.record_launches() as inner:
+            kp_core.note_launch("kp::b", "_k2", "reference")
+    kp_core.note_launch("kp::c", "_k3", "triton")  # no active record: not kept anywhere
+    assert outer.count() == 2 and inner.count() == 1
+    assert outer.count(op="kp::a", backend="triton") == 1
+    assert outer.count(kernel="_k2") == 1
+    assert outer.backends() == {"triton", "reference"}
+    assert inner.backends("kp::a") == set()
