@@ -31,6 +31,10 @@ def eager(x, w):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * w
 
 
+# One compiled function per (width, grad mode): more than dynamo's default cache of 8 graphs per function.
+torch._dynamo.config.cache_size_limit = 256
+
+
 def providers(n: int) -> dict:
     out = {
         "kp": lambda x, w: kp_norms.rms_norm(x, (n,), w, EPS),

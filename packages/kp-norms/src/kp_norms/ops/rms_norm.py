@@ -79,19 +79,20 @@ if kp_core.has_triton():
         HAS_W: tl.constexpr,
         ACC: tl.constexpr,
     ):
-        """One row too wide for registers: a pass for the sum of squares, a pass to normalise."""
+        """One row too wide for registers: a pass for the sum of squares, a pass to normalise.
+        The first pass asks L2 to keep the row, so the second reads it from there, not from memory."""
         row = tl.program_id(0).to(tl.int64)
         x_row = X + row * stride_x
         y_row = Y + row * stride_y
         acc = tl.zeros([BLOCK_N], dtype=ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(ACC)
+            x = tl.load(x_row + cols, mask=cols < N, other=0.0, eviction_policy="evict_last").to(ACC)
             acc += x * x
         rstd = _inv_rms(tl.sum(acc, axis=0), N, eps, ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(ACC)
+            x = tl.load(x_row + cols, mask=cols < N, other=0.0, eviction_policy="evict_first").to(ACC)
             y = x * rstd
             if HAS_W:
                 y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
@@ -117,7 +118,11 @@ if kp_core.has_triton():
         HAS_W: tl.constexpr,
         ACC: tl.constexpr,
     ):
-        """Each program walks `rows_per_program` rows, BLOCK_M at a time, and writes one dw partial."""
+        """Each program walks `rows_per_program` rows, BLOCK_M at a time, and writes one dw partial.
+
+        The next block's x, dy and rstd are loaded before this block is computed: one persistent program
+        per SM then keeps two blocks of loads in flight (without it the loop is latency-bound, ~1.4 TB/s).
+        """
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -126,14 +131,21 @@ if kp_core.has_triton():
         dw = tl.zeros([BLOCK_N], dtype=ACC)
         first = pid * rows_per_program
         last = tl.minimum(first + rows_per_program, M)
-        for start in range(first, last, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            row_ok = rows < last
-            mask = row_ok[:, None] & col_ok[None, :]
+        rows = first + tl.arange(0, BLOCK_M)
+        mask = (rows < last)[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x_next = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy_next = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+        rstd_next = tl.load(RSTD + rows, mask=rows < last, other=0.0)
+        for _ in range(first, last, BLOCK_M):
+            x, dy, rstd = x_next.to(ACC), dy_next.to(ACC), rstd_next
+            out_rows64, out_mask = rows64, mask
+            rows += BLOCK_M
+            mask = (rows < last)[:, None] & col_ok[None, :]
             rows64 = rows.to(tl.int64)[:, None]
-            x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-            dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
-            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            x_next = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+            dy_next = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+            rstd_next = tl.load(RSTD + rows, mask=rows < last, other=0.0)
             n = x * rstd[:, None]
             if HAS_W:
                 dn = dy * w[None, :]
@@ -142,7 +154,7 @@ if kp_core.has_triton():
                 dn = dy
             c = tl.sum(dn * n, axis=1) / N
             dx = (dn - n * c[:, None]) * rstd[:, None]
-            tl.store(DX + rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + out_rows64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=out_mask)
         if HAS_W:
             tl.store(DW_PART + pid * N + cols, dw, mask=col_ok)
 
@@ -179,8 +191,8 @@ if kp_core.has_triton():
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 ok = cols < N
-                x = tl.load(x_row + cols, mask=ok, other=0.0).to(ACC)
-                dy = tl.load(dy_row + cols, mask=ok, other=0.0).to(ACC)
+                x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(ACC)
+                dy = tl.load(dy_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(ACC)
                 if HAS_W:
                     dy = dy * tl.load(W + cols, mask=ok, other=0.0).to(ACC)
                 acc += dy * x * rstd
@@ -188,8 +200,8 @@ if kp_core.has_triton():
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 ok = cols < N
-                x = tl.load(x_row + cols, mask=ok, other=0.0).to(ACC)
-                dy = tl.load(dy_row + cols, mask=ok, other=0.0).to(ACC)
+                x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(ACC)
+                dy = tl.load(dy_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(ACC)
                 n = x * rstd
                 dn = dy
                 if HAS_W:
@@ -207,7 +219,7 @@ if kp_core.has_triton():
 # (block_rows, num_warps) a benchmark sweep may pin per op (benchmarks/bench_rms_norm.py --tune);
 # empty in normal use.
 CONFIG_OVERRIDE: dict[str, tuple[int, int]] = {}
-PROGRAMS_PER_SM = 4  # backward: persistent programs per SM
+PROGRAMS_PER_SM = 1  # backward: persistent programs per SM (each keeps two blocks of loads in flight)
 
 
 def _config(op: str, n: int, element_size: int) -> kp_core.RowConfig:
@@ -253,34 +265,11 @@ def _reference_backward(dy, x, weight, rstd):
     return dx.to(x.dtype), dw
 
 
-# ---- custom ops: inputs are 2-D (rows, N); the functional API below does the reshaping ----
+# ---- launchers: inputs are 2-D (rows, N); the functional API below does the reshaping ----
 
 
-def _fwd_fake(x, weight, eps):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty((x.shape[0],), dtype=_acc_dtype(x.dtype))
-
-
-def _bwd_fake(dy, x, weight, rstd):
-    dw = x.new_empty((0,)) if weight is None else torch.empty_like(weight)
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, _eps = inputs
-    ctx.save_for_backward(x, weight, output[1])
-
-
-def _backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_backward_op(dy, x, weight, rstd)
-    return dx, (dw if weight is not None else None), None
-
-
-@kp_core.custom_op(OP_BWD, package=PACKAGE, spec="rms_norm", dtypes=DTYPES, fake=_bwd_fake)
-def rms_norm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (dx, dw); dw is an empty tensor when there is no weight (custom ops return no None)."""
+def _backward_impl(dy, x, weight, rstd):
+    """(dx, dw) for 2-D x; dw is an empty tensor when there is no weight."""
     backend = kp_core.choose_backend(OP_BWD, x)
     m, n = x.shape
     if backend == kp_core.REFERENCE or x.numel() == 0:
@@ -344,16 +333,8 @@ def rms_norm_backward_op(
     return dx, dw
 
 
-@kp_core.custom_op(
-    OP,
-    package=PACKAGE,
-    spec="rms_norm",
-    dtypes=DTYPES,
-    fake=_fwd_fake,
-    backward=_backward,
-    setup_context=_setup_context,
-)
-def rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_impl(x, weight, eps):
+    """(y, rstd) for 2-D x."""
     backend = kp_core.choose_backend(OP, x)
     m, n = x.shape
     if backend == kp_core.REFERENCE or x.numel() == 0:
@@ -402,6 +383,67 @@ def rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> 
         kernel = "_rms_norm_fwd"
     kp_core.note_launch(OP, kernel, backend)
     return y, rstd
+
+
+# ---- torch.library ops (what torch.compile sees) and the eager autograd path ----
+
+
+def _fwd_fake(x, weight, eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty((x.shape[0],), dtype=_acc_dtype(x.dtype))
+
+
+def _bwd_fake(dy, x, weight, rstd):
+    dw = x.new_empty((0,)) if weight is None else torch.empty_like(weight)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _eps = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _op_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward_op(dy, x, weight, rstd)
+    return dx, (dw if weight is not None else None), None
+
+
+@kp_core.custom_op(OP_BWD, package=PACKAGE, spec="rms_norm", dtypes=DTYPES, fake=_bwd_fake)
+def rms_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dx, dw); dw is an empty tensor when there is no weight (custom ops return no None)."""
+    return _backward_impl(dy, x, weight, rstd)
+
+
+@kp_core.custom_op(
+    OP,
+    package=PACKAGE,
+    spec="rms_norm",
+    dtypes=DTYPES,
+    fake=_fwd_fake,
+    backward=_op_backward,
+    setup_context=_setup_context,
+)
+def rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_impl(x, weight, eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """Eager calls skip the custom-op dispatch (tens of microseconds a call, which made whole
+    forward+backward steps CPU-bound on an H100); the same launchers run either way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _forward_impl(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward_impl(dy, x, weight, rstd)
+        return dx, (dw if weight is not None else None), None
 
 
 # ---- functional API (torch.nn.functional.rms_norm's signature and semantics) ----
@@ -455,5 +497,8 @@ def rms_norm(
     # Explicit row count, so zero-size inputs (rows or columns) reshape too.
     x2 = input.reshape(math.prod(input.shape[: input.dim() - len(normalized_shape)]), n)
     w = weight.reshape(n) if weight is not None else None
-    y, _ = rms_norm_op(x2, w, float(eps))
+    if torch.compiler.is_compiling():
+        y = rms_norm_op(x2, w, float(eps))[0]
+    else:
+        y = _RMSNormFunction.apply(x2, w, float(eps))
     return y.view(input.shape)
