@@ -5,6 +5,10 @@
 
 GB/s counts the bytes the op must move: forward 2*M*N*elsize (read x, write y); forward+backward
 5*M*N*elsize (adds read x, read dy, write dx), the convention of DESIGN.md's anchors.
+
+Each case is timed two ways, every provider alike: replayed from a CUDA graph (the kernels' own speed)
+and with plain launches under do_bench (what a Python loop that does nothing else sees; a ~100 us op is
+then bound by the CPU's launch and autograd overhead, and the figure is noisy).
 """
 
 from __future__ import annotations
@@ -52,14 +56,15 @@ def providers(n: int) -> dict:
     return out
 
 
-def measure(fn, m: int, n: int, mode: str) -> float:
+def measure(fn, m: int, n: int, mode: str, graph: bool = False) -> float:
+    bench = harness.bench_graph_ms if graph else harness.bench_ms
     x = torch.randn(m, n, device="cuda", dtype=DTYPE, requires_grad=mode == "fwd+bwd")
     w = torch.randn(n, device="cuda", dtype=DTYPE, requires_grad=mode == "fwd+bwd")
     if mode == "fwd":
         with torch.no_grad():
-            return harness.bench_ms(lambda: fn(x, w))
+            return bench(lambda: fn(x, w))
     dy = torch.randn(m, n, device="cuda", dtype=DTYPE)
-    return harness.bench_ms(lambda: fn(x, w).backward(dy), grad_to_none=[x, w])
+    return bench(lambda: fn(x, w).backward(dy), grad_to_none=[x, w])
 
 
 def gbps(m: int, n: int, mode: str, ms: float) -> float:
@@ -75,6 +80,35 @@ def check_correct(m: int, n: int) -> None:
     assert err < 0.05 * ref.abs().max().item(), f"kp rms_norm wrong at {m}x{n}: max err {err}"
 
 
+def overhead_us(fn, n: int = 4096, rows: int = 8, iters: int = 200) -> dict:
+    """Wall time per call on a tiny input, where only the CPU side (Python, dispatch, launches) counts."""
+    import time
+
+    x = torch.randn(rows, n, device="cuda", dtype=DTYPE, requires_grad=True)
+    w = torch.randn(n, device="cuda", dtype=DTYPE, requires_grad=True)
+    dy = torch.randn(rows, n, device="cuda", dtype=DTYPE)
+    out = {}
+    for mode in ("fwd", "fwd+bwd"):
+
+        def call(mode=mode):
+            if mode == "fwd":
+                with torch.no_grad():
+                    fn(x, w)
+            else:
+                x.grad = w.grad = None
+                fn(x, w).backward(dy)
+
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+        out[mode] = (time.perf_counter() - start) / iters * 1e6
+    return out
+
+
 def tune() -> None:
     for (m, n), mode in itertools.product(HEADLINE, ("fwd", "fwd+bwd")):
         results = []
@@ -84,7 +118,7 @@ def tune() -> None:
             rms_mod.CONFIG_OVERRIDE.clear()
             rms_mod.CONFIG_OVERRIDE[rms_mod.OP if mode == "fwd" else rms_mod.OP_BWD] = (rows, warps)
             rms_mod.PROGRAMS_PER_SM = per_sm
-            ms = measure(providers(n)["kp"], m, n, mode)
+            ms = measure(providers(n)["kp"], m, n, mode, graph=True)
             results.append((gbps(m, n, mode, ms), rows, warps, per_sm))
         rms_mod.CONFIG_OVERRIDE.clear()
         rms_mod.PROGRAMS_PER_SM = 4
@@ -114,14 +148,24 @@ def main() -> None:
         if n not in by_width:
             by_width[n] = providers(n)
         for name, fn in by_width[n].items():
-            try:
-                ms = measure(fn, m, n, mode)
-            except Exception as e:  # e.g. an anchor that cannot handle a width: recorded as missing
-                print(f"{name} failed at {m}x{n} {mode}: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            bw = gbps(m, n, mode, ms)
-            rows.append(dict(group=group, M=m, N=n, mode=mode, provider=name, ms=ms, gbps=bw, pct_copy=100 * bw / copy))
-    meta = {"kernel": "rms_norm", "dtype": "bfloat16", "copy_gbps": copy, **harness.versions()}
+            row = dict(group=group, M=m, N=n, mode=mode, provider=name)
+            for timing in ("graph", "eager"):
+                try:
+                    ms = measure(fn, m, n, mode, graph=timing == "graph")
+                except Exception as e:  # e.g. an anchor that cannot handle a width: recorded as missing
+                    print(f"{name} ({timing}) failed at {m}x{n} {mode}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                bw = gbps(m, n, mode, ms)
+                row.update({f"ms_{timing}": ms, f"gbps_{timing}": bw, f"pct_copy_{timing}": 100 * bw / copy})
+            rows.append(row)
+    overhead = {name: overhead_us(fn) for name, fn in providers(4096).items()}
+    meta = {
+        "kernel": "rms_norm",
+        "dtype": "bfloat16",
+        "copy_gbps": copy,
+        "cpu_overhead_us_8x4096": overhead,
+        **harness.versions(),
+    }
     md = render(meta, rows)
     out = harness.write_results("rms_norm", meta, rows, md, lambda path: plot(rows, meta, path))
     print(md)
@@ -134,17 +178,27 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"# RMSNorm, bf16, {meta['device']}",
         "",
         f"torch {meta['torch']}, triton {meta['triton']}, liger-kernel {meta['liger_kernel']}; "
-        f"measured copy bandwidth {meta['copy_gbps']:.0f} GB/s. GB/s (% of copy); kp / best anchor.",
-        "",
-        "| M x N | mode | " + " | ".join(names) + " | kp / best anchor |",
-        "|---|---|" + "---|" * (len(names) + 1),
+        f"measured copy bandwidth {meta['copy_gbps']:.0f} GB/s. Cells: GB/s (% of copy).",
     ]
-    for (m, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["N"], r["mode"])):
-        by = {r["provider"]: r for r in group}
-        cells = [f"{by[p]['gbps']:.0f} ({by[p]['pct_copy']:.0f}%)" if p in by else "-" for p in names]
-        anchors = [r["gbps"] for p, r in by.items() if p != "kp"]
-        ratio = f"{by['kp']['gbps'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
-        lines.append(f"| {m} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+    titles = {
+        "graph": "Kernel throughput: CUDA graph replay (GPU time only)",
+        "eager": "Plain launches: triton.testing.do_bench (includes CPU launch/autograd overhead when it dominates)",
+    }
+    for timing, title in titles.items():
+        lines += ["", f"## {title}", "", "| M x N | mode | " + " | ".join(names) + " | kp / best anchor |"]
+        lines.append("|---|---|" + "---|" * (len(names) + 1))
+        for (m, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["N"], r["mode"])):
+            by = {r["provider"]: r for r in group if f"gbps_{timing}" in r}
+            cells = [
+                f"{by[p][f'gbps_{timing}']:.0f} ({by[p][f'pct_copy_{timing}']:.0f}%)" if p in by else "-" for p in names
+            ]
+            anchors = [r[f"gbps_{timing}"] for p, r in by.items() if p != "kp"]
+            ratio = f"{by['kp'][f'gbps_{timing}'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
+            lines.append(f"| {m} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+    lines += ["", "## CPU cost per call (8 x 4096 input, wall time per call in microseconds)", ""]
+    lines += ["| provider | fwd | fwd+bwd |", "|---|---|---|"]
+    for name, us in meta.get("cpu_overhead_us_8x4096", {}).items():
+        lines.append(f"| {name} | {us['fwd']:.0f} | {us['fwd+bwd']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -155,11 +209,11 @@ def plot(rows: list[dict], meta: dict, path) -> None:
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
         sweep = [r for r in rows if r["group"] == "sweep" and r["mode"] == mode]
         for name in dict.fromkeys(r["provider"] for r in sweep):
-            pts = sorted((r["N"], r["gbps"]) for r in sweep if r["provider"] == name)
+            pts = sorted((r["N"], r["gbps_graph"]) for r in sweep if r["provider"] == name and "gbps_graph" in r)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, lw=2.5 if name == "kp" else 1.2)
         ax.axhline(meta["copy_gbps"], color="grey", ls="--", lw=1, label="copy bandwidth")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"RMSNorm {mode}, bf16, {SWEEP_ELEMENTS >> 20}M elements")
+        ax.set_title(f"RMSNorm {mode}, bf16, {SWEEP_ELEMENTS >> 20}M elements (CUDA graph)")
         ax.set_xlabel("N (row width)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("GB/s")

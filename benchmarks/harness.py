@@ -29,6 +29,14 @@ def bench_ms(fn, grad_to_none=None) -> float:
     return do_bench(fn, warmup=50, rep=300, grad_to_none=grad_to_none, return_mode="median")
 
 
+def bench_graph_ms(fn, grad_to_none=None) -> float:
+    """Median time of fn in ms replayed from a CUDA graph: the GPU's time alone, without the Python and
+    launch overhead that makes a single ~100 us op CPU-bound under plain do_bench."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
 def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     """This run's device-to-device copy ceiling, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
