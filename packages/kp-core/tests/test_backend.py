@@ -44,3 +44,14 @@ def test_launch_record_counts_and_nests():
     assert outer.count(kernel="_k2") == 1
     assert outer.backends() == {"triton", "reference"}
     assert inner.backends("kp::a") == set()
+
+
+def test_launch_record_sees_other_threads():
+    # CUDA autograd runs backward on a device thread: its launches must land in the caller's record.
+    import threading
+
+    with kp_core.record_launches() as rec:
+        t = threading.Thread(target=kp_core.note_launch, args=("kp::bwd", "_k", "triton"))
+        t.start()
+        t.join()
+    assert rec.count(op="kp::bwd") == 1

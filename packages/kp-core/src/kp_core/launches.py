@@ -32,29 +32,27 @@ class LaunchRecord:
         return {launch.backend for launch in self.launches if op is None or launch.op == op}
 
 
-_local = threading.local()
-
-
-def _active() -> list[LaunchRecord]:
-    if not hasattr(_local, "records"):
-        _local.records = []
-    return _local.records
+# Process-wide, not per thread: on CUDA, autograd runs backward on its own device thread.
+_records: list[LaunchRecord] = []
+_lock = threading.Lock()
 
 
 def note_launch(op: str, kernel: str, backend: str) -> None:
     """Called by every launcher (and every reference path, with backend="reference")."""
-    records = _active()
-    if records:
+    if _records:
         launch = Launch(op, kernel, backend)
-        for record in records:
-            record.launches.append(launch)
+        with _lock:
+            for record in _records:
+                record.launches.append(launch)
 
 
 @contextlib.contextmanager
 def record_launches() -> Iterator[LaunchRecord]:
     record = LaunchRecord()
-    _active().append(record)
+    with _lock:
+        _records.append(record)
     try:
         yield record
     finally:
-        _active().remove(record)
+        with _lock:
+            _records.remove(record)

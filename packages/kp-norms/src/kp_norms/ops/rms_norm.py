@@ -29,7 +29,11 @@ if kp_core.has_triton():
     def _inv_rms(sum_sq, N, eps, ACC: tl.constexpr):
         """1 / sqrt(sum_sq / N + eps), correctly rounded (the approximate fp32 ops cost ~2 ulp)."""
         if ACC == tl.float64:
-            r = 1.0 / tl.sqrt(sum_sq / N + eps)  # fp64 sqrt and division are IEEE already
+            v = sum_sq / N + eps
+            r = 1.0 / tl.sqrt(v)
+            # The GPU backend may turn 1/sqrt into an approximate fp64 rsqrt (~2^-46 relative error, seen
+            # on H100); one Newton step makes it exact to rounding.
+            r = r * (1.5 - 0.5 * v * r * r)
         else:
             r = tl.div_rn(1.0, tl.sqrt_rn(sum_sq / N + eps))
         return r
