@@ -32,8 +32,9 @@ if kp_core.has_triton():
             v = sum_sq / N + eps
             r = 1.0 / tl.sqrt(v)
             # The GPU backend may turn 1/sqrt into an approximate fp64 rsqrt (~2^-46 relative error, seen
-            # on H100); one Newton step makes it exact to rounding.
-            r = r * (1.5 - 0.5 * v * r * r)
+            # on H100); one Newton step makes it exact to rounding. Rows with inf (r = 0) or a zero sum
+            # (r = inf) keep r as is, so NaN/Inf propagate exactly as in the reference.
+            r = tl.where((r > 0) & (r < float("inf")), r * (1.5 - 0.5 * v * r * r), r)
         else:
             r = tl.div_rn(1.0, tl.sqrt_rn(sum_sq / N + eps))
         return r
