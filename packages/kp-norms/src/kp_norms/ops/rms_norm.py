@@ -9,7 +9,9 @@ dw is summed from one fp32 partial per program by torch, so it is deterministic 
 """
 
 import dataclasses
+import functools
 import math
+import struct
 from typing import Optional
 
 import torch
@@ -26,8 +28,12 @@ if kp_core.has_triton():
     import triton.language as tl
 
     @triton.jit
-    def _inv_rms(sum_sq, N, eps, ACC: tl.constexpr):
-        """1 / sqrt(sum_sq / N + eps), correctly rounded (the approximate fp32 ops cost ~2 ulp)."""
+    def _inv_rms(sum_sq, N, eps_hi, eps_lo, ACC: tl.constexpr):
+        """1 / sqrt(sum_sq / N + eps), correctly rounded (the approximate fp32 ops cost ~2 ulp).
+
+        Triton passes float arguments as fp32, so eps arrives as two fp32 halves (eps_hi + eps_lo) that
+        rebuild it to ~48 bits for fp64 inputs; in fp32 the sum is just fp32(eps)."""
+        eps = tl.cast(eps_hi, ACC) + tl.cast(eps_lo, ACC)
         if ACC == tl.float64:
             v = sum_sq / N + eps
             r = 1.0 / tl.sqrt(v)
@@ -49,7 +55,8 @@ if kp_core.has_triton():
         RSTD,
         M,
         N,
-        eps,
+        eps_hi,
+        eps_lo,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HAS_W: tl.constexpr,
@@ -62,7 +69,7 @@ if kp_core.has_triton():
         mask = row_ok[:, None] & (cols < N)[None, :]
         rows64 = rows.to(tl.int64)[:, None]
         x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0).to(ACC)
-        rstd = _inv_rms(tl.sum(x * x, axis=1), N, eps, ACC)
+        rstd = _inv_rms(tl.sum(x * x, axis=1), N, eps_hi, eps_lo, ACC)
         y = x * rstd[:, None]
         if HAS_W:
             w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)
@@ -79,7 +86,8 @@ if kp_core.has_triton():
         W,
         RSTD,
         N,
-        eps,
+        eps_hi,
+        eps_lo,
         BLOCK_N: tl.constexpr,
         HAS_W: tl.constexpr,
         ACC: tl.constexpr,
@@ -94,7 +102,7 @@ if kp_core.has_triton():
             cols = start + tl.arange(0, BLOCK_N)
             x = tl.load(x_row + cols, mask=cols < N, other=0.0, eviction_policy="evict_last").to(ACC)
             acc += x * x
-        rstd = _inv_rms(tl.sum(acc, axis=0), N, eps, ACC)
+        rstd = _inv_rms(tl.sum(acc, axis=0), N, eps_hi, eps_lo, ACC)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             x = tl.load(x_row + cols, mask=cols < N, other=0.0, eviction_policy="evict_first").to(ACC)
@@ -235,6 +243,13 @@ def _config(op: str, n: int, element_size: int) -> kp_core.RowConfig:
     return dataclasses.replace(cfg, block_rows=block_rows, num_warps=num_warps)
 
 
+@functools.lru_cache(maxsize=64)
+def _split_eps(eps: float) -> tuple[float, float]:
+    """eps as fp32 hi + lo halves (see _inv_rms)."""
+    hi = struct.unpack("f", struct.pack("f", eps))[0]
+    return hi, eps - hi
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -361,7 +376,7 @@ def _forward_impl(x, weight, eps):
             w,
             rstd,
             n,
-            eps,
+            *_split_eps(eps),
             BLOCK_N=cfg.block_cols,
             HAS_W=has_w,
             ACC=acc,
@@ -378,7 +393,7 @@ def _forward_impl(x, weight, eps):
             rstd,
             m,
             n,
-            eps,
+            *_split_eps(eps),
             BLOCK_M=cfg.block_rows,
             BLOCK_N=cfg.block_cols,
             HAS_W=has_w,
