@@ -85,6 +85,7 @@ if kp_core.has_triton():
         stride_y,
         W,
         RSTD,
+        M,  # unused: the grid has one program per row; kept so both forward kernels share a launch
         N,
         eps_hi,
         eps_lo,
@@ -307,48 +308,27 @@ def _backward_impl(dy, x, weight, rstd):
     dw_part = alloc((programs, n) if has_w else (1,), dtype=_acc_dtype(x.dtype), device=x.device)
     w = weight if has_w else x  # any pointer; never read when HAS_W is False
     acc = _tl_acc(x.dtype)
-    if cfg.looped:
-        _rms_norm_bwd_looped[(programs,)](
-            dy,
-            dy.stride(0),
-            x,
-            x.stride(0),
-            w,
-            rstd,
-            dx,
-            dx.stride(0),
-            dw_part,
-            m,
-            n,
-            rows_per_program,
-            BLOCK_N=cfg.block_cols,
-            HAS_W=has_w,
-            ACC=acc,
-            num_warps=cfg.num_warps,
-        )
-        kernel = "_rms_norm_bwd_looped"
-    else:
-        _rms_norm_bwd[(programs,)](
-            dy,
-            dy.stride(0),
-            x,
-            x.stride(0),
-            w,
-            rstd,
-            dx,
-            dx.stride(0),
-            dw_part,
-            m,
-            n,
-            rows_per_program,
-            BLOCK_M=cfg.block_rows,
-            BLOCK_N=cfg.block_cols,
-            HAS_W=has_w,
-            ACC=acc,
-            num_warps=cfg.num_warps,
-        )
-        kernel = "_rms_norm_bwd"
-    kp_core.note_launch(OP_BWD, kernel, backend)
+    kernel, block_rows = (_rms_norm_bwd_looped, {}) if cfg.looped else (_rms_norm_bwd, {"BLOCK_M": cfg.block_rows})
+    kernel[(programs,)](
+        dy,
+        dy.stride(0),
+        x,
+        x.stride(0),
+        w,
+        rstd,
+        dx,
+        dx.stride(0),
+        dw_part,
+        m,
+        n,
+        rows_per_program,
+        **block_rows,
+        BLOCK_N=cfg.block_cols,
+        HAS_W=has_w,
+        ACC=acc,
+        num_warps=cfg.num_warps,
+    )
+    kp_core.note_launch(OP_BWD, kernel.fn.__name__, backend)
     dw = dw_part.sum(0).to(weight.dtype) if has_w else x.new_empty((0,))
     return dx, dw
 
@@ -367,41 +347,27 @@ def _forward_impl(x, weight, eps):
     has_w = weight is not None
     w = weight if has_w else x
     acc = _tl_acc(x.dtype)
-    if cfg.looped:
-        _rms_norm_fwd_looped[(m,)](
-            x,
-            x.stride(0),
-            y,
-            y.stride(0),
-            w,
-            rstd,
-            n,
-            *_split_eps(eps),
-            BLOCK_N=cfg.block_cols,
-            HAS_W=has_w,
-            ACC=acc,
-            num_warps=cfg.num_warps,
-        )
-        kernel = "_rms_norm_fwd_looped"
+    if cfg.looped:  # one program per row
+        kernel, grid, block_rows = _rms_norm_fwd_looped, m, {}
     else:
-        _rms_norm_fwd[(triton.cdiv(m, cfg.block_rows),)](
-            x,
-            x.stride(0),
-            y,
-            y.stride(0),
-            w,
-            rstd,
-            m,
-            n,
-            *_split_eps(eps),
-            BLOCK_M=cfg.block_rows,
-            BLOCK_N=cfg.block_cols,
-            HAS_W=has_w,
-            ACC=acc,
-            num_warps=cfg.num_warps,
-        )
-        kernel = "_rms_norm_fwd"
-    kp_core.note_launch(OP, kernel, backend)
+        kernel, grid, block_rows = _rms_norm_fwd, triton.cdiv(m, cfg.block_rows), {"BLOCK_M": cfg.block_rows}
+    kernel[(grid,)](
+        x,
+        x.stride(0),
+        y,
+        y.stride(0),
+        w,
+        rstd,
+        m,
+        n,
+        *_split_eps(eps),
+        **block_rows,
+        BLOCK_N=cfg.block_cols,
+        HAS_W=has_w,
+        ACC=acc,
+        num_warps=cfg.num_warps,
+    )
+    kp_core.note_launch(OP, kernel.fn.__name__, backend)
     return y, rstd
 
 
