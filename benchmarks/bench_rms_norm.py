@@ -110,6 +110,7 @@ def overhead_us(fn, n: int = 4096, rows: int = 8, iters: int = 200) -> dict:
 
 
 def tune() -> None:
+    default_per_sm = rms_mod.PROGRAMS_PER_SM
     for (m, n), mode in itertools.product(HEADLINE, ("fwd", "fwd+bwd")):
         results = []
         for rows, warps, per_sm in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4, 8) if mode != "fwd" else (4,)):
@@ -121,7 +122,7 @@ def tune() -> None:
             ms = measure(providers(n)["kp"], m, n, mode, graph=True)
             results.append((gbps(m, n, mode, ms), rows, warps, per_sm))
         rms_mod.CONFIG_OVERRIDE.clear()
-        rms_mod.PROGRAMS_PER_SM = 4
+        rms_mod.PROGRAMS_PER_SM = default_per_sm
         print(f"tune {m}x{n} {mode}: best GB/s, block_rows, num_warps, programs/SM")
         for r in sorted(results, reverse=True)[:5]:
             print(f"   {r[0]:7.0f}  {r[1]}  {r[2]:2d}  {r[3]}")
