@@ -416,8 +416,9 @@ def rms_norm_op(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> 
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """Eager calls skip the custom-op dispatch (tens of microseconds a call, which made whole
-    forward+backward steps CPU-bound on an H100); the same launchers run either way."""
+    """Eager calls skip the custom-op dispatch (tens of microseconds a call); the same launchers run either
+    way. Even so, one eager forward+backward still costs more CPU time than a 64M-element step takes on an
+    H100 (benchmarks/results/: CPU cost per call), so plain-launch timings there are CPU-bound."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
