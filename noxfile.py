@@ -25,6 +25,7 @@ TORCH = os.environ.get("KP_TORCH", "torch==2.13.0")
 TORCH_INDEX = os.environ.get("KP_TORCH_INDEX")
 KERNEL_DEPS = ("triton>=3.2", "numpy")
 TEST_DEPS = ("pytest>=8", "pytest-xdist", "hypothesis>=6.100")
+HF_DEPS = ("transformers>=4.45",)  # kp-norms' "hf" extra (kp_norms.patch on Hugging Face models)
 
 nox.options.sessions = ["lint", "tests", "conformance", "build", "docs"]
 nox.options.reuse_existing_virtualenvs = True
@@ -76,6 +77,9 @@ def tests(session: nox.Session, package: str) -> None:
     _install_torch(session)
     if _installing(session):
         session.install(*TEST_DEPS)
+        if package == "kp-norms":  # its patch tests run tiny transformers models against the tolerance rule
+            session.install(*HF_DEPS)
+            session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, *dict.fromkeys(["kp-core", package]))
     env.update(_cpu_env())
     session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "packages" / package / "tests"), env=env)
@@ -142,6 +146,8 @@ def build(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """A small Llama-style model, eager vs kp-patched: outputs, gradients, time and peak memory."""
     _install_torch(session)
+    if _installing(session):
+        session.install(*HF_DEPS)
     env = _install_packages(session, *PACKAGES)
     env.update(_cpu_env())
     session.run("python", str(ROOT / "benchmarks" / "demo.py"), *session.posargs, env=env)

@@ -1,13 +1,19 @@
-"""kp's main job: a small Llama-style model run eager and patched with kp, checked and timed.
+"""kp's main job: a small Llama-style model, eager vs patched with kp (RMSNorm and SwiGLU), checked and timed.
 
-On a GPU it runs bf16 and adds a torch.compile variant; on a CPU the kernels run under Triton's
-interpreter (TRITON_INTERPRET=1), so its times say nothing about speed.
+The model is Hugging Face's LlamaForCausalLM from a random LlamaConfig when transformers is installed, else a
+hand-written one of the same shape. `kp_norms.patch` swaps its RMSNorms and gated MLPs in place; the patched
+model's logits and every parameter gradient must be within the conformance rule of a float64 copy.
+
+On a GPU it runs bf16 and adds torch.compile variants; on a CPU the kernels run under Triton's interpreter
+(TRITON_INTERPRET=1), so its times say nothing about speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import gc
 import os
 import time
 
@@ -15,67 +21,116 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kp_core
 import kp_norms
+
+try:
+    import transformers
+except ImportError:
+    transformers = None
+
+
+# ---- the fallback model: the same structure, written by hand ----
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, kv_heads: int):
         super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.out = nn.Linear(dim, dim, bias=False)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.kv_proj = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x):
         b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, d))
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv_proj(x).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, d))
 
 
-class SwiGLU(nn.Module):
+class MLP(nn.Module):
+    """Hugging Face's LlamaMLP: kp_norms.patch swaps it when named in mlp_classes."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.act_fn = nn.SiLU()
 
     def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int, eps: float):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, heads)
-        self.mlp_norm = nn.RMSNorm(dim, eps=1e-6)
-        self.mlp = SwiGLU(dim, hidden)
+        self.input_layernorm = nn.RMSNorm(dim, eps=eps)
+        self.self_attn = Attention(dim, heads, kv_heads)
+        self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
+        self.mlp = MLP(dim, hidden)
 
     def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, hidden: int, eps: float):
         super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
-        self.norm = nn.RMSNorm(dim, eps=1e-6)
-        self.head = nn.Linear(dim, vocab, bias=False)
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden, eps) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim, eps=eps)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def build(cfg: dict) -> tuple[nn.Module, str]:
+    if transformers is None:
+        return TinyLlama(**cfg), "hand-written Llama (transformers is not installed)"
+    config = transformers.LlamaConfig(
+        vocab_size=cfg["vocab"],
+        hidden_size=cfg["dim"],
+        intermediate_size=cfg["hidden"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"],
+        rms_norm_eps=cfg["eps"],
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config), f"transformers {transformers.__version__} LlamaForCausalLM"
+
+
+def float64_reference(model: nn.Module) -> nn.Module:
+    """A float64 copy whose RMSNorms really compute in float64: LlamaRMSNorm normalises in fp32 whatever the
+    input's dtype, so each becomes torch.nn.RMSNorm (x * rsqrt(mean(x^2) + eps) * w in the input's dtype)."""
+    ref = copy.deepcopy(model).to(torch.float64)
+    for name, module in list(ref.named_modules()):
+        if type(module).__name__ == "LlamaRMSNorm":
+            norm = nn.RMSNorm(module.weight.shape, eps=module.variance_epsilon, device="meta")
+            norm.weight = module.weight
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, norm)
+    return ref
+
+
+# ---- one train step, the check, the timing ----
 
 
 def step(model, tokens):
     """One forward + backward; returns logits and the gradients of every parameter."""
     model.zero_grad(set_to_none=True)
-    logits = model(tokens)
-    F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+    out = model(tokens)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    loss_dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 loss, fp64 for the reference
+    F.cross_entropy(logits.flatten(0, 1).to(loss_dtype), tokens.flatten()).backward()
     return logits.detach(), {n: p.grad.detach() for n, p in model.named_parameters()}
 
 
@@ -93,22 +148,30 @@ def check(name, ours, eager, ref64, dtype):
     return err, bound
 
 
-def timed(model, tokens, iters, device):
-    if device.type == "cuda":
+def timed(model, models, tokens, iters, device):
+    """ms per train step, the step's peak memory above what the models' weights hold, kp launches per step."""
+    cuda = device.type == "cuda"
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    gc.collect()
+    if cuda:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     for _ in range(2):  # warm-up: compile, autotune, allocator
         step(model, tokens)
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        step(model, tokens)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    ms = (time.perf_counter() - start) / iters * 1e3
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    return ms, peak
+    with kp_core.record_launches() as rec:
+        start = time.perf_counter()
+        for _ in range(iters):
+            step(model, tokens)
+        if cuda:
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) / iters * 1e3
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+    return ms, peak, rec.count() // iters
 
 
 def main() -> None:
@@ -119,23 +182,25 @@ def main() -> None:
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
     if gpu:
-        cfg = dict(vocab=32000, dim=2048, layers=4, heads=16, hidden=5632)
+        cfg = dict(vocab=32000, dim=2048, layers=4, heads=16, kv_heads=4, hidden=5632, eps=1e-5)
         batch, seq, iters = 4, 2048, args.iters or 10
         print(f"GPU run: {torch.cuda.get_device_name()}, bf16")
     else:
-        cfg = dict(vocab=512, dim=128, layers=2, heads=4, hidden=352)
+        cfg = dict(vocab=512, dim=128, layers=2, heads=4, kv_heads=2, hidden=352, eps=1e-5)
         batch, seq, iters = 2, 64, args.iters or 2
         path = "Triton interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "PyTorch reference path"
         print(f"CPU run: kp's kernels run on the {path}; times below are not a speed measurement.")
 
     torch.manual_seed(0)
-    base = TinyLlama(**cfg)
+    base, what = build(cfg)
+    print(f"model: {what}, {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M parameters")
     tokens = torch.randint(0, cfg["vocab"], (batch, seq), device=device)
-    ref64 = copy.deepcopy(base).to(device, torch.float64)
     eager = copy.deepcopy(base).to(device, dtype)
-    patched = copy.deepcopy(base).to(device, dtype)
-    changed = kp_norms.patch(patched)
-    print(f"kp_norms.patch replaced {len(changed)} RMSNorm modules: {', '.join(changed)}")
+    ref64 = float64_reference(eager)  # the eager model's own weights, in float64
+    patched = copy.deepcopy(eager)
+    changed = kp_norms.patch(patched, mlp_classes=[MLP])
+    kinds = collections.Counter(type(patched.get_submodule(n)).__name__ for n in changed)
+    print(f"kp_norms.patch replaced {', '.join(f'{n} {k}' for k, n in kinds.most_common())} modules")
 
     logits64, grads64 = step(ref64, tokens)
     logits_e, grads_e = step(eager, tokens)
@@ -148,6 +213,7 @@ def main() -> None:
         ratios.append((err / bound, n))
     worst = max(ratios)
     print(f"gradients of all {len(grads64)} parameters within the rule (tightest: {worst[1]}, {worst[0]:.2f} of bound)")
+    del ref64, logits64, grads64, logits_e, grads_e, logits_k, grads_k
 
     variants = {"eager": eager, "kp-patched": patched}
     if gpu:
@@ -155,14 +221,18 @@ def main() -> None:
         variants["kp-patched + compile"] = torch.compile(patched)
     rows = []
     for name, model in variants.items():
-        ms, peak = timed(model, tokens, iters, device)
-        rows.append((name, ms, peak, batch * seq / ms * 1e3))
+        ms, peak, launches = timed(model, list(variants.values()), tokens, iters, device)
+        rows.append((name, ms, peak, batch * seq / ms * 1e3, launches))
     print()
-    print(f"{device.type}, {dtype}, batch {batch}, seq {seq}, {iters} timed steps")
-    print("| variant | ms / train step | peak memory MiB | tokens/s |")
-    print("|---|---|---|---|")
-    for name, ms, peak, tps in rows:
-        print(f"| {name} | {ms:.1f} | {'-' if peak != peak else f'{peak:.0f}'} | {tps:.0f} |")
+    print(f"{device.type}, {dtype}, batch {batch}, seq {seq}, {iters} timed steps (forward + backward)")
+    print("| variant | ms / train step | peak step memory MiB | tokens/s | kp kernels / step |")
+    print("|---|---|---|---|---|")
+    for name, ms, peak, tps, launches in rows:
+        print(f"| {name} | {ms:.1f} | {'-' if peak != peak else f'{peak:.0f}'} | {tps:.0f} | {launches} |")
+    if gpu:
+        print("peak step memory: torch.cuda.max_memory_allocated during the steps, less the resident weights")
+    else:
+        print("torch.compile variants run on a GPU only")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ for step in "$@"; do
     info) nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
           python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" ;;
     tests) PYTHONPATH=$SRC:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider packages/kp-core/tests packages/kp-norms/tests ;;
-    tune) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_rms_norm.py --tune ;;
+    tune) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_norms.py --tune ;;
+    tune-glu) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_glu.py --tune ;;
+    bench-*) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_${step#bench-}.py ;;
     conformance-*) KP_TIER=${step#conformance-} python3 -m nox --no-venv -s conformance -- -n 4 ;;
     bench) python3 -m nox --no-venv -s bench ;;
     demo) python3 -m nox --no-venv -s demo ;;

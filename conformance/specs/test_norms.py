@@ -1,32 +1,48 @@
-"""Conformance spec for kp-norms: RMSNorm forward and backward against an independent float64 reference."""
+"""Conformance spec for kp-norms' row norms: RMSNorm (torch, Gemma and Llama conventions), LayerNorm, the fused
+residual add + norm, and norm + activation, forward and backward, against independent float64 references.
 
+Each variant is a row of the matrix. Its reference is written here from the model family's definition in
+plain float64 PyTorch; its "PyTorch in low precision" comparison is the same computation as the family's
+own code runs it (HF's module forward order and casts), so the 2x rule measures us against that.
+"""
+
+import dataclasses
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kp_conformance as kc
 import kp_core
 import kp_norms
-from kp_norms.ops import rms_norm as rms_mod
+from kp_norms.ops import norm as norm_mod
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TIER = kc.current()
 DEVICE = kc.device()
 KERNEL_BACKEND = kp_core.INTERPRET if kc.interpreting() else kp_core.TRITON
+FWD, BWD = norm_mod.OP, norm_mod.OP_BWD
 
 kc.declare(
     kc.Spec(
-        name="rms_norm",
-        ops=(rms_mod.OP, rms_mod.OP_BWD),
-        reference="y = x * rsqrt(mean(x^2) + eps) * w in float64 (Zhang & Sennrich 2019, eq. 4; torch.nn.RMSNorm docs)",
+        name="norm",
+        ops=(norm_mod.OP, norm_mod.OP_BWD, norm_mod.OP_INPLACE),
+        reference=(
+            "float64 formulas: RMSNorm (Zhang & Sennrich 2019, eq. 4; torch.nn.RMSNorm), Gemma's (1 + w) and "
+            "Llama's cast-then-weight RMSNorm (HF modeling_gemma / modeling_llama), LayerNorm (Ba et al. 2016; "
+            "torch.nn.LayerNorm), s = x + residual, SiLU / GELU (erf and tanh forms)"
+        ),
         dtypes=DTYPES,
         properties=(
             "values",
             "gradients",
+            "mixed_dtypes",
+            "in_place",
             "no_mutation",
             "determinism",
             "nan_inf",
@@ -39,15 +55,131 @@ kc.declare(
 )
 
 
-def reference(x64, normalized_shape, w64, eps):
-    """RMSNorm from its definition, plain PyTorch, float64. Independent of kp's code."""
-    dims = tuple(range(-len(normalized_shape), 0))
-    y = x64 * torch.rsqrt(x64.pow(2).mean(dims, keepdim=True) + eps)
-    return y if w64 is None else y * w64
+# ---- independent float64 references (never call kp) ----
+
+
+def rms64(x, w, eps, offset=0.0):
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * (offset + w)
+
+
+def layer64(x, w, b, eps):
+    mu = x.mean(-1, keepdim=True)
+    y = (x - mu) / torch.sqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
+    y = y if w is None else y * w
+    return y if b is None else y + b
+
+
+def silu64(z):
+    return z / (1 + torch.exp(-z))
+
+
+def gelu64(z):
+    return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+
+
+def gelu_tanh64(z):
+    return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+
+
+# ---- how each model family's own code computes it in low precision ----
+
+
+def llama_lowp(x, w, eps):  # transformers' LlamaRMSNorm.forward (Mistral, Qwen2 and Qwen3 are the same)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def gemma_lowp(x, w, eps):  # transformers' GemmaRMSNorm.forward (Gemma 2 and 3 are the same)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.float())).type_as(x)
+
+
+@dataclass(frozen=True)
+class Variant:
+    ours: Callable  # (x, r, w, b, eps) -> tuple of outputs
+    ref: Callable  # same, float64 inputs
+    lowp: Callable  # same, PyTorch in the input's precision
+    residual: bool = False
+    bias: bool = False
+    eps_none_ok: bool = True  # RMSNorm's eps=None; LayerNorm takes a number
+    needs_weight: bool = False  # Gemma's offset scales a weight
+
+
+def _add(fn):
+    """The fused add + norm: outputs (norm(x + r), x + r); x + r in the input dtype, as torch adds."""
+    return lambda x, r, w, b, e: (fn(x + r, w, b, e), x + r)
+
+
+VARIANTS = {
+    "rms_norm": Variant(
+        lambda x, r, w, b, e: (kp_norms.rms_norm(x, x.shape[-1:], w, e),),
+        lambda x, r, w, b, e: (rms64(x, w, e),),
+        lambda x, r, w, b, e: (F.rms_norm(x, x.shape[-1:], w, e),),
+    ),
+    "rms_norm[gemma]": Variant(
+        lambda x, r, w, b, e: (kp_norms.rms_norm(x, x.shape[-1:], w, e, offset=1.0, casting="gemma"),),
+        lambda x, r, w, b, e: (rms64(x, w, e, offset=1.0),),
+        lambda x, r, w, b, e: (gemma_lowp(x, w, e),),
+        eps_none_ok=False,
+        needs_weight=True,
+    ),
+    "rms_norm[llama]": Variant(
+        lambda x, r, w, b, e: (kp_norms.rms_norm(x, x.shape[-1:], w, e, casting="llama"),),
+        lambda x, r, w, b, e: (rms64(x, w, e),),
+        lambda x, r, w, b, e: (llama_lowp(x, w, e),),
+        eps_none_ok=False,
+        needs_weight=True,
+    ),
+    "layer_norm": Variant(
+        lambda x, r, w, b, e: (kp_norms.layer_norm(x, x.shape[-1:], w, b, e),),
+        lambda x, r, w, b, e: (layer64(x, w, b, e),),
+        lambda x, r, w, b, e: (F.layer_norm(x, x.shape[-1:], w, b, e),),
+        bias=True,
+        eps_none_ok=False,
+    ),
+    "add_rms_norm": Variant(
+        lambda x, r, w, b, e: kp_norms.add_rms_norm(x, r, w, e),
+        _add(lambda s, w, b, e: rms64(s, w, e)),
+        _add(lambda s, w, b, e: F.rms_norm(s, s.shape[-1:], w, e)),
+        residual=True,
+    ),
+    "add_layer_norm": Variant(
+        lambda x, r, w, b, e: kp_norms.add_layer_norm(x, r, w, b, e),
+        _add(layer64),
+        _add(lambda s, w, b, e: F.layer_norm(s, s.shape[-1:], w, b, e)),
+        residual=True,
+        bias=True,
+        eps_none_ok=False,
+    ),
+    "rms_norm+silu": Variant(
+        lambda x, r, w, b, e: (kp_norms.rms_norm(x, x.shape[-1:], w, e, activation="silu"),),
+        lambda x, r, w, b, e: (silu64(rms64(x, w, e)),),
+        lambda x, r, w, b, e: (F.silu(F.rms_norm(x, x.shape[-1:], w, e)),),
+    ),
+    "layer_norm+gelu": Variant(
+        lambda x, r, w, b, e: (kp_norms.layer_norm(x, x.shape[-1:], w, b, e, activation="gelu"),),
+        lambda x, r, w, b, e: (gelu64(layer64(x, w, b, e)),),
+        lambda x, r, w, b, e: (F.gelu(F.layer_norm(x, x.shape[-1:], w, b, e)),),
+        bias=True,
+        eps_none_ok=False,
+    ),
+    "add_rms_norm[gemma]+gelu_tanh": Variant(
+        lambda x, r, w, b, e: kp_norms.add_rms_norm(x, r, w, e, offset=1.0, activation="gelu_tanh"),
+        _add(lambda s, w, b, e: gelu_tanh64(rms64(s, w, e, offset=1.0))),
+        _add(lambda s, w, b, e: F.gelu(gemma_lowp(s, w, e), approximate="tanh")),
+        residual=True,
+        eps_none_ok=False,
+        needs_weight=True,
+    ),
+}
+NAMES = list(VARIANTS)
 
 
 def effective_eps(eps, dtype):
-    # PyTorch (and kp) take the compute dtype's epsilon when eps is None.
+    # PyTorch (and kp) take the compute dtype's epsilon when RMSNorm's eps is None.
     return eps if eps is not None else torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
 
@@ -63,253 +195,412 @@ def assert_kernel_ran(record, *ops):
         assert ran == {KERNEL_BACKEND}, f"{op}: expected only {KERNEL_BACKEND} launches, got {ran or 'none'}"
 
 
-def make_case(shape, normalized_shape, dtype, layout, affine, scale, seed):
+@dataclass
+class Case:
+    x: torch.Tensor
+    r: torch.Tensor | None
+    w: torch.Tensor | None
+    b: torch.Tensor | None
+    eps: float | None
+
+    def inputs(self):
+        return self.x, self.r, self.w, self.b
+
+    def double(self):
+        return [None if t is None else t.double() for t in self.inputs()]
+
+
+def make_case(v: Variant, shape, dtype, layout, affine, eps, scale, seed, w_dtype=None) -> Case:
+    n = shape[-1:]
     x = kc.make_input(shape, dtype, DEVICE, layout, scale=scale, seed=seed)
-    w = kc.make_input(normalized_shape, dtype, DEVICE, "contiguous", seed=seed + 1) if affine else None
-    return x, w
+    # A residual stream is larger than the block's output: it gets its own scale and layout.
+    r = kc.make_input(shape, dtype, DEVICE, "contiguous", scale=3.0, seed=seed + 3) if v.residual else None
+    affine = affine or v.needs_weight
+    wd = w_dtype or dtype
+    w = kc.make_input(n, wd, DEVICE, "contiguous", seed=seed + 1) if affine else None
+    b = kc.make_input(n, wd, DEVICE, "contiguous", scale=0.5, seed=seed + 2) if affine and v.bias else None
+    if eps is None and not v.eps_none_ok:
+        eps = 1e-5
+    return Case(x, r, w, b, eps)
+
+
+def last_dim_shapes(tier):
+    """(shape, _) pairs from the shared strategy, kept to one normalised dim (the fused ops' contract)."""
+    return kc.row_shapes(tier).map(lambda sn: (sn[0][: len(sn[0]) - len(sn[1])] + (math.prod(sn[1]),), None))
 
 
 case = dict(
-    shape=kc.row_shapes(TIER),
+    shape=last_dim_shapes(TIER),
     layout=st.sampled_from(kc.LAYOUTS),
     affine=st.booleans(),
     eps=st.sampled_from([None, 1e-6, 1e-5]),
     scale=st.sampled_from([1.0, 0.01, 30.0]),
     seed=st.integers(0, 2**16),
 )
+# Every variant gets the tier's draws on a GPU. Under the CPU interpreter (~100x slower) plain RMSNorm keeps
+# them and the variants, which share its code paths, get a third, so the CI run stays within minutes.
+EXAMPLES = {
+    name: TIER.max_examples if name == "rms_norm" or not kc.interpreting() else max(4, TIER.max_examples // 3)
+    for name in NAMES
+}
 
 
-@pytest.mark.conformance(kernel="rms_norm", prop="values")
-@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
-@given(**case)
-def test_values(dtype, shape, layout, affine, eps, scale, seed):
-    skip_if_not_covered(dtype)
-    shape, norm = shape
-    x, w = make_case(shape, norm, dtype, layout, affine, scale, seed)
+def _grads(fn, case: Case, cotangents):
+    leaves = [None if t is None else t.detach().requires_grad_() for t in case.inputs()]
+    outs = fn(*leaves, case.eps)
+    torch.autograd.backward(outs, cotangents[: len(outs)])
+    return outs, [None if t is None else t.grad for t in leaves]
+
+
+def check_variant(v: Variant, name, dtype, c: Case, with_grads: bool):
+    e = effective_eps(c.eps, dtype)
+    if not with_grads:
+        with kp_core.record_launches() as rec:
+            ours = v.ours(*c.inputs(), c.eps)
+        if c.x.numel():
+            assert_kernel_ran(rec, FWD)
+        ref = v.ref(*c.double(), e)
+        low = v.lowp(*c.inputs(), c.eps if c.eps is not None else None)
+        for i, (a, r64, lo) in enumerate(zip(ours, ref, low)):
+            kc.check_close(f"{name} output {i}", a, r64, lo, lo.dtype if i == 0 else dtype)
+        return
+    shape = c.x.shape
+    out_dtype = v.lowp(*c.inputs(), c.eps)[0].dtype
+    seed = int(c.x.numel()) % 1000
+    cot = [kc.make_input(shape, out_dtype, DEVICE, "contiguous", seed=seed + 11)]
+    if v.residual:
+        cot.append(kc.make_input(shape, dtype, DEVICE, "contiguous", seed=seed + 12))
     with kp_core.record_launches() as rec:
-        y = kp_norms.rms_norm(x, norm, w, eps)
-    if x.numel():
-        assert_kernel_ran(rec, rms_mod.OP)
-    ref = reference(x.double(), norm, None if w is None else w.double(), effective_eps(eps, dtype))
-    kc.check_close("y", y, ref, F.rms_norm(x, norm, w, eps), dtype)
+        _, ours = _grads(lambda *a: v.ours(*a), c, cot)
+    if c.x.numel():
+        assert_kernel_ran(rec, FWD, BWD)
+    c64 = Case(*c.double(), e)
+    _, ref = _grads(lambda *a: v.ref(*a), c64, [t.double() for t in cot])
+    _, low = _grads(lambda *a: v.lowp(*a), c, cot)
+    for label, a, r64, lo in zip(("dx", "dresidual", "dw", "db"), ours, ref, low):
+        if a is not None or r64 is not None:
+            kc.check_close(f"{name} {label}", a, r64, lo, lo.dtype)
 
 
-@pytest.mark.conformance(kernel="rms_norm", prop="gradients")
+def cells(prop, names=NAMES):
+    """One parameter per variant, each marked as its own matrix row."""
+    return [pytest.param(n, marks=pytest.mark.conformance(kernel=n, prop=prop), id=n) for n in names]
+
+
+@pytest.mark.parametrize("name", cells("values"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
-@given(**case)
-def test_gradients(dtype, shape, layout, affine, eps, scale, seed):
+def test_values(name, dtype):
     skip_if_not_covered(dtype)
-    shape, norm = shape
-    x, w = make_case(shape, norm, dtype, layout, affine, scale, seed)
-    dy = kc.make_input(shape, dtype, DEVICE, "contiguous", seed=seed + 2)
 
-    def grads(fn, x, w, dy):
-        x = x.detach().requires_grad_()
-        w = None if w is None else w.detach().requires_grad_()
-        fn(x, norm, w, eps).backward(dy)
-        return x.grad, None if w is None else w.grad
+    @settings(max_examples=EXAMPLES[name])
+    @given(**case)
+    def run(shape, layout, affine, eps, scale, seed):
+        c = make_case(VARIANTS[name], shape[0], dtype, layout, affine, eps, scale, seed)
+        check_variant(VARIANTS[name], name, dtype, c, with_grads=False)
 
-    with kp_core.record_launches() as rec:
-        dx, dw = grads(kp_norms.rms_norm, x, w, dy)
-    if x.numel():
-        assert_kernel_ran(rec, rms_mod.OP, rms_mod.OP_BWD)
-    e = effective_eps(eps, dtype)
-    ref_dx, ref_dw = grads(
-        lambda x, n, w, _: reference(x, n, w, e), x.double(), None if w is None else w.double(), dy.double()
-    )
-    low_dx, low_dw = grads(F.rms_norm, x, w, dy)
-    kc.check_close("dx", dx, ref_dx, low_dx, dtype)
-    if w is not None:
-        kc.check_close("dw", dw, ref_dw, low_dw, dtype)
+    run()
 
 
-FIXED_SHAPES = [((7, 33), (33,)), ((3, 5, 257), (257,)), ((4, 2, 64), (2, 64)), ((2, 16385), (16385,))]
+@pytest.mark.parametrize("name", cells("gradients"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_gradients(name, dtype):
+    skip_if_not_covered(dtype)
+
+    @settings(max_examples=EXAMPLES[name])
+    @given(**case)
+    def run(shape, layout, affine, eps, scale, seed):
+        c = make_case(VARIANTS[name], shape[0], dtype, layout, affine, eps, scale, seed)
+        check_variant(VARIANTS[name], name, dtype, c, with_grads=True)
+
+    run()
 
 
-@pytest.mark.conformance(kernel="rms_norm", prop="no_mutation")
+FIXED_SHAPES = [(7, 33), (3, 5, 257), (2, 16385)]
+LOW = (torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", cells("mixed_dtypes", ["rms_norm", "rms_norm[llama]", "layer_norm", "add_rms_norm"]))
+@pytest.mark.parametrize("dtype", LOW, ids=kc.dtype_id)
+def test_mixed_dtypes(name, dtype):
+    """fp32 weight (and bias) with a half-precision input, as torch allows; Llama's output is then fp32."""
+    skip_if_not_covered(dtype)
+    v = VARIANTS[name]
+    if name == "layer_norm":
+        # torch's CUDA layer_norm refuses mixed dtypes (its CPU one accepts them): PyTorch's baseline is then
+        # the fp32 computation rounded once, which is at least as accurate as any low-precision one.
+        lowp = lambda x, r, w, b, e: (F.layer_norm(x.float(), x.shape[-1:], w, b, e).to(x.dtype),)  # noqa: E731
+        v = dataclasses.replace(v, lowp=lowp)
+    for i, shape in enumerate(FIXED_SHAPES):
+        c = make_case(v, shape, dtype, "contiguous", True, 1e-6, 1.0, i, w_dtype=torch.float32)
+        check_variant(v, name, dtype, c, with_grads=False)
+        check_variant(v, name, dtype, c, with_grads=True)
+
+
+ADD = {"add_rms_norm": kp_norms.add_rms_norm, "add_layer_norm": kp_norms.add_layer_norm}
+
+
+@pytest.mark.parametrize("name", cells("in_place", list(ADD)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_in_place(name, dtype):
+    """in_place=True leaves the sum in `residual` and matches the out-of-place call to the bit, with and
+    without autograd, eager and compiled, for layouts the kernel writes directly and ones it cannot."""
+    skip_if_not_covered(dtype)
+    torch._dynamo.reset()
+    fn = ADD[name]
+    compiled = torch.compile(lambda x, r, w: fn(x, r, w, None, in_place=True), fullgraph=True)
+    for i, (shape, layout) in enumerate(zip(FIXED_SHAPES, ("contiguous", "transposed", "row_strided"))):
+        c = make_case(VARIANTS[name], shape, dtype, "contiguous", True, 1e-5, 1.0, i)
+        r_in = kc.make_input(shape, dtype, DEVICE, layout, scale=3.0, seed=i + 3)
+        y_ref, s_ref = fn(c.x, r_in, c.w)
+        for call in (lambda x, r, w: fn(x, r, w, in_place=True), compiled):
+            r = r_in.clone() if layout == "contiguous" else kc.make_input(shape, dtype, DEVICE, layout, scale=3.0, seed=i + 3)
+            x0 = c.x.clone()
+            with torch.no_grad(), kp_core.record_launches() as rec:
+                y, s = call(c.x, r, c.w)
+            assert_kernel_ran(rec, FWD)
+            assert s is r or call is compiled, "in_place must return the residual tensor itself"
+            assert torch.equal(r, s_ref) and torch.equal(y, y_ref), "in-place result differs from out-of-place"
+            assert torch.equal(c.x, x0), "input was modified"
+        # With autograd: the same values and gradients as out of place.
+        dy = kc.make_input(shape, dtype, DEVICE, "contiguous", seed=i + 9)
+        grads = []
+        for in_place in (False, True):
+            x, w = c.x.clone().requires_grad_(), c.w.clone().requires_grad_()
+            r0 = r_in.clone().requires_grad_()
+            r = r0 * 1  # a non-leaf, as a residual stream is
+            with kp_core.record_launches() as rec:
+                y, s = fn(x, r, w, in_place=in_place)
+                (y.float().sum() + (s.float() * dy.float()).sum()).backward()
+            assert_kernel_ran(rec, FWD, BWD)
+            assert (s is r) == in_place
+            grads.append((y.detach(), s.detach(), x.grad, r0.grad, w.grad))
+        for a, b in zip(*grads):
+            assert torch.equal(a, b), "in_place=True changed a value or gradient"
+
+
+@pytest.mark.conformance(kernel="norm", prop="no_mutation")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @pytest.mark.parametrize("layout", kc.LAYOUTS)
 def test_no_mutation(dtype, layout):
     skip_if_not_covered(dtype)
-    for i, (shape, norm) in enumerate(FIXED_SHAPES):
-        x, w = make_case(shape, norm, dtype, layout, True, 1.0, i)
-        dy = kc.make_input(shape, dtype, DEVICE, layout, seed=i + 7)
-        before = [t.clone() for t in (x, w, dy)]
-        with kp_core.record_launches() as rec:
-            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-            kp_norms.rms_norm(x, norm, w).sum()  # forward alone on the originals
-            kp_norms.rms_norm(xg, norm, wg).backward(dy)
-        assert_kernel_ran(rec, rms_mod.OP, rms_mod.OP_BWD)
-        for t, b in zip((x, w, dy), before):
-            assert torch.equal(t, b), "an input was modified"
+    for name, v in VARIANTS.items():
+        for i, shape in enumerate(FIXED_SHAPES[:2]):
+            c = make_case(v, shape, dtype, layout, True, 1e-5, 1.0, i)
+            before = [None if t is None else t.clone() for t in c.inputs()]
+            leaves = [None if t is None else t.clone().requires_grad_() for t in c.inputs()]
+            with kp_core.record_launches() as rec:
+                v.ours(*c.inputs(), c.eps)  # forward alone on the originals
+                out = v.ours(*leaves, c.eps)
+                sum(o.float().sum() for o in out).backward()
+            assert_kernel_ran(rec, FWD, BWD)
+            for t, b in zip(c.inputs(), before):
+                assert t is None or torch.equal(t, b), f"{name}: an input was modified"
 
 
-@pytest.mark.conformance(kernel="rms_norm", prop="determinism")
+@pytest.mark.parametrize("name", cells("determinism", ["rms_norm", "layer_norm", "add_layer_norm"]))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
-def test_determinism(dtype):
-    """Bitwise-equal results on repeated calls, the weight gradient included (no atomics)."""
+def test_determinism(name, dtype):
+    """Bitwise-equal results on repeated calls, weight and bias gradients included (no atomics)."""
     skip_if_not_covered(dtype)
     rows = 4096 if DEVICE.type == "cuda" else 67
+    v = VARIANTS[name]
     for i, n in enumerate((4097, 20000)):
-        x, w = make_case((rows, n), (n,), dtype, "contiguous", True, 1.0, i)
+        c = make_case(v, (rows, n), dtype, "contiguous", True, 1e-5, 1.0, i)
         dy = kc.make_input((rows, n), dtype, DEVICE, "contiguous", seed=i + 3)
         outs = []
         for _ in range(2):
-            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+            leaves = [None if t is None else t.clone().requires_grad_() for t in c.inputs()]
             with kp_core.record_launches() as rec:
-                y = kp_norms.rms_norm(xg, (n,), wg)
-                y.backward(dy)
-            assert_kernel_ran(rec, rms_mod.OP, rms_mod.OP_BWD)
-            outs.append((y.detach(), xg.grad, wg.grad))
+                out = v.ours(*leaves, c.eps)
+                out[0].backward(dy)
+            assert_kernel_ran(rec, FWD, BWD)
+            outs.append([out[0].detach()] + [t.grad for t in leaves if t is not None])
         for a, b in zip(*outs):
             assert torch.equal(a, b), "repeated calls differ"
 
 
-@pytest.mark.conformance(kernel="rms_norm", prop="nan_inf")
+@pytest.mark.parametrize("name", cells("nan_inf", ["rms_norm", "layer_norm", "add_rms_norm"]))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
-def test_nan_inf_propagate_per_row(dtype):
+def test_nan_inf_propagate_per_row(name, dtype):
     skip_if_not_covered(dtype)
+    v = VARIANTS[name]
     for n in (33, 4096, 20000):
-        x, w = make_case((5, n), (n,), dtype, "contiguous", True, 1.0, n)
-        x[1, 3] = float("nan")
-        x[3, 0] = float("inf")
-        x[4, n - 1] = float("-inf")
+        c = make_case(v, (5, n), dtype, "contiguous", True, 1e-5, 1.0, n)
+        c.x[1, 3] = float("nan")
+        c.x[3, 0] = float("inf")
+        c.x[4, n - 1] = float("-inf")
         with kp_core.record_launches() as rec:
-            y = kp_norms.rms_norm(x, (n,), w)
-        assert_kernel_ran(rec, rms_mod.OP)
-        ref = reference(x.double(), (n,), w.double(), effective_eps(None, dtype))
-        assert torch.equal(torch.isnan(y), torch.isnan(ref)), "NaN pattern differs from the reference"
-        assert torch.equal(torch.isinf(y), torch.isinf(ref)), "Inf pattern differs from the reference"
+            y = v.ours(*c.inputs(), c.eps)[0]
+        assert_kernel_ran(rec, FWD)
+        ref = v.ref(*c.double(), effective_eps(c.eps, dtype))[0]
+        assert torch.equal(torch.isnan(y).cpu(), torch.isnan(ref).cpu()), "NaN pattern differs from the reference"
+        assert torch.equal(torch.isinf(y).cpu(), torch.isinf(ref).cpu()), "Inf pattern differs from the reference"
         clean = [0, 2]  # rows with only finite values stay correct
-        kc.check_close("finite rows", y[clean], ref[clean], F.rms_norm(x[clean], (n,), w), dtype)
+        low = v.lowp(*c.inputs(), c.eps)[0]
+        kc.check_close("finite rows", y[clean], ref[clean], low[clean], dtype)
 
 
-@pytest.mark.conformance(kernel="rms_norm", prop="zero_size")
+@pytest.mark.parametrize("name", cells("zero_size"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
-def test_zero_size(dtype):
-    for shape, norm in [((0, 8), (8,)), ((3, 0, 5), (5,)), ((4, 0), (0,)), ((2, 0, 3), (0, 3))]:
-        x = torch.zeros(shape, dtype=dtype, device=DEVICE, requires_grad=True)
-        w = torch.ones(norm, dtype=dtype, device=DEVICE, requires_grad=True)
+def test_zero_size(name, dtype):
+    v = VARIANTS[name]
+    for shape in [(0, 8), (3, 0, 5), (4, 0)]:
+        c = make_case(v, shape, dtype, "contiguous", True, 1e-5, 1.0, 0)
+        leaves = [None if t is None else t.clone().requires_grad_() for t in c.inputs()]
         with kp_core.record_launches() as rec:
-            y = kp_norms.rms_norm(x, norm, w)
-            y.sum().backward()
+            out = v.ours(*leaves, c.eps)
+            sum(o.sum() for o in out).backward()
         # Documented behaviour: an empty input launches no kernel (nothing to compute, no empty grid).
         assert rec.backends() <= {kp_core.REFERENCE}, f"an empty input launched {rec.launches}"
-        expected = F.rms_norm(x, norm, w)
-        assert y.shape == expected.shape and y.dtype == expected.dtype
-        assert x.grad.shape == x.shape
-        assert torch.equal(w.grad, torch.zeros_like(w)), "an empty batch must give a zero weight gradient"
+        expected = v.lowp(*c.inputs(), c.eps)
+        for a, b in zip(out, expected):
+            assert a.shape == b.shape and a.dtype == b.dtype
+        assert leaves[0].grad.shape == c.x.shape
+        if c.w is not None and shape[-1]:
+            assert torch.equal(leaves[2].grad, torch.zeros_like(c.w)), "an empty batch must give a zero dw"
+
+
+def _t(d, *shape, dtype=torch.float32):
+    return torch.ones(shape, dtype=dtype, device=d)
 
 
 BAD_INPUTS = [
     # (description, call, error type, words the message must contain)
-    (
-        "integer input",
-        lambda d: kp_norms.rms_norm(torch.ones(2, 4, dtype=torch.int32, device=d), (4,)),
-        TypeError,
-        "input",
-    ),
-    ("bool input", lambda d: kp_norms.rms_norm(torch.ones(2, 4, dtype=torch.bool, device=d), (4,)), TypeError, "input"),
+    ("integer input", lambda d: kp_norms.rms_norm(_t(d, 2, 4, dtype=torch.int32), (4,)), TypeError, "input"),
+    ("bool input", lambda d: kp_norms.layer_norm(_t(d, 2, 4, dtype=torch.bool), (4,)), TypeError, "input"),
     ("not a tensor", lambda d: kp_norms.rms_norm([[1.0, 2.0]], (2,)), TypeError, "input"),
-    ("shape mismatch", lambda d: kp_norms.rms_norm(torch.ones(2, 4, device=d), (5,)), ValueError, "normalized_shape"),
-    ("too many dims", lambda d: kp_norms.rms_norm(torch.ones(4, device=d), (1, 4)), ValueError, "normalized_shape"),
-    (
-        "empty normalized_shape",
-        lambda d: kp_norms.rms_norm(torch.ones(4, device=d), ()),
-        ValueError,
-        "normalized_shape",
-    ),
-    (
-        "weight shape",
-        lambda d: kp_norms.rms_norm(torch.ones(2, 4, device=d), (4,), torch.ones(3, device=d)),
-        ValueError,
-        "weight",
-    ),
-    (
-        "weight dtype",
-        lambda d: kp_norms.rms_norm(torch.ones(2, 4, device=d), (4,), torch.ones(4, dtype=torch.float16, device=d)),
-        TypeError,
-        "weight",
-    ),
+    ("shape mismatch", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (5,)), ValueError, "normalized_shape"),
+    ("too many dims", lambda d: kp_norms.layer_norm(_t(d, 4), (1, 4)), ValueError, "normalized_shape"),
+    ("empty normalized_shape", lambda d: kp_norms.rms_norm(_t(d, 4), ()), ValueError, "normalized_shape"),
+    ("weight shape", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), _t(d, 3)), ValueError, "weight"),
+    ("bias shape", lambda d: kp_norms.layer_norm(_t(d, 2, 4), (4,), _t(d, 4), _t(d, 5)), ValueError, "bias"),
     (
         "integer weight",
-        lambda d: kp_norms.rms_norm(torch.ones(2, 4, device=d), (4,), torch.ones(4, dtype=torch.int64, device=d)),
+        lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), _t(d, 4, dtype=torch.int64)),
         TypeError,
         "weight",
     ),
+    ("weight on another device", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), _t("meta", 4)), ValueError, "weight"),
     (
-        "weight on another device",
-        lambda d: kp_norms.rms_norm(torch.ones(2, 4, device=d), (4,), torch.ones(4, device="meta")),
+        "bias on another device",
+        lambda d: kp_norms.layer_norm(_t(d, 2, 4), (4,), None, _t("meta", 4)),
         ValueError,
-        "weight",
+        "bias",
     ),
-    ("negative eps", lambda d: kp_norms.rms_norm(torch.ones(2, 4, device=d), (4,), None, -1.0), ValueError, "eps"),
+    ("negative eps", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), None, -1.0), ValueError, "eps"),
+    ("layer_norm eps None", lambda d: kp_norms.layer_norm(_t(d, 2, 4), (4,), eps=None), ValueError, "eps"),
+    (
+        "unknown casting",
+        lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), _t(d, 4), casting="bf16"),
+        ValueError,
+        "casting",
+    ),
+    ("offset without weight", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), offset=1.0), ValueError, "offset"),
+    (
+        "unknown activation",
+        lambda d: kp_norms.layer_norm(_t(d, 2, 4), (4,), activation="relu"),
+        ValueError,
+        "activation",
+    ),
+    ("residual shape", lambda d: kp_norms.add_rms_norm(_t(d, 2, 4), _t(d, 2, 5)), ValueError, "residual"),
+    (
+        "residual dtype",
+        lambda d: kp_norms.add_layer_norm(_t(d, 2, 4), _t(d, 2, 4, dtype=torch.float64)),
+        TypeError,
+        "residual",
+    ),
+    (
+        "residual on another device",
+        lambda d: kp_norms.add_rms_norm(_t(d, 2, 4), _t("meta", 2, 4)),
+        ValueError,
+        "residual",
+    ),
+    ("residual not a tensor", lambda d: kp_norms.add_rms_norm(_t(d, 2, 4), 1.0), TypeError, "residual"),
+    ("scalar input", lambda d: kp_norms.add_rms_norm(_t(d), _t(d)), ValueError, "input"),
     (
         "module input dtype",
-        lambda d: kp_norms.RMSNorm(4, device=d)(torch.ones(2, 4, dtype=torch.int64, device=d)),
+        lambda d: kp_norms.LayerNorm(4, device=d)(_t(d, 2, 4, dtype=torch.int64)),
         TypeError,
         "input",
     ),
 ]
 
 
-@pytest.mark.conformance(kernel="rms_norm", prop="bad_input")
+@pytest.mark.conformance(kernel="norm", prop="bad_input")
 @pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input(what, call, error, words):
     with pytest.raises(error, match=words):
         call(DEVICE)
 
 
-@pytest.mark.conformance(kernel="rms_norm", prop="opcheck")
+OPCHECK_FLAGS = [  # (residual, bias, rms, offset, round_n, act, weight dtype)
+    (False, False, True, 0.0, False, 0, None),
+    (False, True, False, 0.0, False, 2, None),
+    (True, False, True, 1.0, False, 3, None),
+    (True, True, False, 0.0, False, 1, None),
+    (False, False, True, 0.0, True, 0, torch.float32),
+]
+
+
+@pytest.mark.conformance(kernel="norm", prop="opcheck")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_opcheck(dtype):
     skip_if_not_covered(dtype)
-    for layout in ("contiguous", "row_strided", "transposed"):
-        x = kc.make_input((37, 130), dtype, DEVICE, layout, seed=1)
-        w = kc.make_input((130,), dtype, DEVICE, "contiguous", seed=2).requires_grad_()
-        x.requires_grad_()
+    for i, (has_r, has_b, rms, offset, round_n, act, wd) in enumerate(OPCHECK_FLAGS):
+        layout = kc.LAYOUTS[i % 3]
+        x = kc.make_input((37, 130), dtype, DEVICE, layout, seed=i).requires_grad_()
+        r = kc.make_input((37, 130), dtype, DEVICE, "contiguous", seed=i + 1).requires_grad_() if has_r else None
+        w = kc.make_input((130,), wd or dtype, DEVICE, "contiguous", seed=i + 2).requires_grad_()
+        b = kc.make_input((130,), wd or dtype, DEVICE, "contiguous", seed=i + 3) if has_b else None
+        flags = (1e-5, rms, offset, round_n, act)
         with kp_core.record_launches() as rec:
-            torch.library.opcheck(rms_mod.rms_norm_op, (x, w, 1e-6))
-            torch.library.opcheck(rms_mod.rms_norm_op, (x, None, 1e-6))
-            y, rstd = rms_mod.rms_norm_op(x.detach(), w.detach(), 1e-6)
-            dy = kc.make_input((37, 130), dtype, DEVICE, layout, seed=3)
-            torch.library.opcheck(rms_mod.rms_norm_backward_op, (dy, x.detach(), w.detach(), rstd))
-        assert_kernel_ran(rec, rms_mod.OP, rms_mod.OP_BWD)
+            bg = None if b is None else b.clone().requires_grad_()
+            torch.library.opcheck(norm_mod.norm_op, (x, r, w, bg, *flags))
+            r = None if r is None else r.detach()
+            y, s, mean, rstd = norm_mod.norm_op(x.detach(), r, w.detach(), b, *flags)
+            dy = kc.make_input((37, 130), y.dtype, DEVICE, layout, seed=i + 4)
+            ds = kc.make_input((37, 130), dtype, DEVICE, layout, seed=i + 5) if has_r else None
+            src = s if has_r else x.detach()
+            torch.library.opcheck(norm_mod.norm_backward_op, (dy, ds, src, w.detach(), b, mean, rstd, *flags))
+            if has_r:
+                res = r.detach().clone()
+                torch.library.opcheck(norm_mod.add_norm_inplace_op, (x.detach(), res, w.detach(), b, *flags))
+        assert_kernel_ran(rec, FWD, BWD)
 
 
-@pytest.mark.conformance(kernel="rms_norm", prop="compile")
+@pytest.mark.parametrize("name", cells("compile", ["rms_norm", "rms_norm[llama]", "layer_norm+gelu", "add_layer_norm"]))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
-def test_compile_fullgraph_equals_eager(dtype):
+def test_compile_fullgraph_equals_eager(name, dtype):
     skip_if_not_covered(dtype)
     torch._dynamo.reset()
+    v = VARIANTS[name]
 
-    def f(x, w):
-        return kp_norms.rms_norm(x * 2, x.shape[-1:], w, 1e-6) + 1
+    def f(x, r, w, b):
+        return v.ours(x * 2, r, w, b, 1e-6)
 
     compiled = torch.compile(f, fullgraph=True)
-    for layout, (shape, _) in zip(("contiguous", "transposed"), FIXED_SHAPES[:2]):
-        x, w = make_case(shape, shape[-1:], dtype, layout, True, 1.0, 5)
-        dy = kc.make_input(shape, dtype, DEVICE, "contiguous", seed=6)
+    for layout, shape in zip(("contiguous", "transposed"), FIXED_SHAPES[:2]):
+        c = make_case(v, shape, dtype, layout, True, 1e-6, 1.0, 5)
         results = []
         for fn in (f, compiled):
-            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+            leaves = [None if t is None else t.clone().requires_grad_() for t in c.inputs()]
             with kp_core.record_launches() as rec:
-                y = fn(xg, wg)
-                y.backward(dy)
-            assert_kernel_ran(rec, rms_mod.OP, rms_mod.OP_BWD)
-            results.append((y.detach(), xg.grad, wg.grad))
-        for name, a, b in zip(("y", "dx", "dw"), *results):
+                out = fn(*leaves)
+                sum((o.float() * (k + 1)).sum() for k, o in enumerate(out)).backward()
+            assert_kernel_ran(rec, FWD, BWD)
+            results.append([o.detach() for o in out] + [t.grad for t in leaves if t is not None])
+        for a, b in zip(*results):
             # The op is opaque to the compiler, so the same kernel computes both: results match to the bit
-            # except for what Inductor fuses around it (x * 2, + 1), which is exact in every dtype here.
-            assert torch.equal(a, b), (
-                f"{name}: compiled differs from eager by {(a.double() - b.double()).abs().max():.3e}"
-            )
+            # except for what Inductor fuses around it (x * 2), which is exact in every dtype here.
+            assert torch.equal(a, b), f"compiled differs from eager by {(a.double() - b.double()).abs().max():.3e}"
 
 
 def test_reference_is_independent():
-    """The reference must not route through kp (sanity check on the spec itself)."""
+    """The references must not route through kp (sanity check on the spec itself)."""
     x = torch.randn(3, 8, dtype=torch.float64)
     with kp_core.record_launches() as rec:
-        reference(x, (8,), None, 1e-6)
+        for v in VARIANTS.values():
+            v.ref(x, x, x[0], x[1], 1e-6)
     assert rec.count() == 0
-    assert math.isclose(reference(torch.ones(1, 4, dtype=torch.float64), (4,), None, 0.0)[0, 0].item(), 1.0)
+    assert math.isclose(rms64(torch.ones(1, 4, dtype=torch.float64), None, 0.0)[0, 0].item(), 1.0)
+    assert math.isclose(layer64(torch.tensor([[1.0, 3.0]], dtype=torch.float64), None, None, 0.0)[0, 1].item(), 1.0)

@@ -7,19 +7,66 @@ import numbers
 import torch
 from torch import nn
 
-from kp_norms.ops.rms_norm import rms_norm
+from kp_norms.functional import layer_norm, rms_norm
+from kp_norms.ops.glu import geglu, swiglu
 
 
 class RMSNorm(nn.Module):
-    """Drop-in for `torch.nn.RMSNorm`, computed by kp's kernel."""
+    """Drop-in for `torch.nn.RMSNorm`, computed by kp's kernel; `offset` and `casting` as in
+    `kp_norms.rms_norm` (offset=1.0 is Gemma's norm, whose weight starts at zero)."""
 
-    __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
+    __constants__ = ["normalized_shape", "eps", "elementwise_affine", "offset", "casting"]
 
     def __init__(
         self,
         normalized_shape: int | list[int] | tuple[int, ...] | torch.Size,
         eps: float | None = None,
         elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        offset: float = 0.0,
+        casting: str = "torch",
+    ) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.offset = offset
+        self.casting = casting
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight) if self.offset == 0 else nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps, offset=self.offset, casting=self.casting)
+
+    def extra_repr(self) -> str:
+        s = "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
+        if self.offset != 0 or self.casting != "torch":
+            s += f", offset={self.offset}, casting={self.casting!r}"
+        return s
+
+
+class LayerNorm(nn.Module):
+    """Drop-in for `torch.nn.LayerNorm` (same arguments, attributes and state_dict keys)."""
+
+    __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
+
+    def __init__(
+        self,
+        normalized_shape: int | list[int] | tuple[int, ...] | torch.Size,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -29,18 +76,72 @@ class RMSNorm(nn.Module):
         self.normalized_shape = tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
-        else:
-            self.register_parameter("weight", None)
+        factory = {"device": device, "dtype": dtype}
+        for name, wanted in (("weight", elementwise_affine), ("bias", elementwise_affine and bias)):
+            param = nn.Parameter(torch.empty(self.normalized_shape, **factory)) if wanted else None
+            self.register_parameter(name, param)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         if self.weight is not None:
             nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}".format(**self.__dict__)
+        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}, bias={bias}".format(
+            **self.__dict__, bias=self.bias is not None
+        )
+
+
+class GatedMLP(nn.Module):
+    """`down_proj(act(gate_proj(x)) * up_proj(x))` with `act(g) * u` in one kp kernel: SwiGLU for "silu",
+    GeGLU for "gelu" / "gelu_tanh". Children and state_dict keys are those of Hugging Face's LlamaMLP."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        self._init(
+            nn.Linear(hidden_size, intermediate_size, **factory),
+            nn.Linear(hidden_size, intermediate_size, **factory),
+            nn.Linear(intermediate_size, hidden_size, **factory),
+            activation,
+        )
+
+    @classmethod
+    def from_modules(
+        cls, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, activation: str = "silu"
+    ) -> GatedMLP:
+        """A GatedMLP around existing projections (any modules: the same objects, not copies)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new._init(gate_proj, up_proj, down_proj, activation)
+        return new
+
+    def _init(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, activation: str) -> None:
+        if activation not in ("silu", "gelu", "gelu_tanh"):
+            raise ValueError(f"kp_norms.GatedMLP: activation must be 'silu', 'gelu' or 'gelu_tanh', got {activation!r}")
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.activation == "silu":
+            h = swiglu(gate, up)
+        else:
+            h = geglu(gate, up, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.down_proj(h)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"

@@ -16,7 +16,7 @@ def test_functional_runs_the_kernel_and_matches_torch():
     x, w = torch.randn(6, 5, 33, device=DEVICE), torch.randn(5, 33, device=DEVICE)
     with kp_core.record_launches() as rec:
         y = kp_norms.rms_norm(x, (5, 33), w, 1e-5)
-    assert rec.backends("kp::rms_norm") == {KERNEL}
+    assert rec.backends("kp::norm") == {KERNEL}
     torch.testing.assert_close(y, F.rms_norm(x, (5, 33), w, 1e-5))
 
 
@@ -41,6 +41,42 @@ def test_module_is_a_drop_in_for_torch(shape, kw):
         theirs.load_state_dict(ours.state_dict())
     x = torch.randn(3, *((shape,) if isinstance(shape, int) else shape))
     torch.testing.assert_close(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize(
+    "shape,kw", [(8, {}), ((4, 8), {"eps": 1e-6}), (8, {"elementwise_affine": False}), (8, {"bias": False})]
+)
+def test_layer_norm_module_is_a_drop_in_for_torch(shape, kw):
+    ours, theirs = kp_norms.LayerNorm(shape, **kw), nn.LayerNorm(shape, **kw)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert dict(ours.named_parameters()).keys() == dict(theirs.named_parameters()).keys()
+    assert repr(ours).split("(", 1)[1] == repr(theirs).split("(", 1)[1]
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.uniform_()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, *((shape,) if isinstance(shape, int) else shape), device=DEVICE)
+    with kp_core.record_launches() as rec:
+        y = ours.to(DEVICE)(x)
+    assert rec.backends("kp::norm") == {KERNEL}
+    torch.testing.assert_close(y, theirs.to(DEVICE)(x))
+
+
+def test_gemma_style_module_starts_at_zero_and_scales_by_one_plus_w():
+    m = kp_norms.RMSNorm(16, eps=1e-6, offset=1.0)
+    assert torch.equal(m.weight, torch.zeros(16)) and "offset=1.0" in repr(m)
+    with torch.no_grad():
+        m.weight.uniform_()
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(m(x), F.rms_norm(x, (16,), None, 1e-6) * (1 + m.weight))
+
+
+def test_llama_casting_promotes_like_hf():
+    x, w = torch.randn(4, 16, dtype=torch.float16, device=DEVICE), torch.randn(16, device=DEVICE)
+    y = kp_norms.rms_norm(x, (16,), w, 1e-6, casting="llama")
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, w * h.to(torch.float16))
 
 
 def test_module_dtype_device_arguments():
@@ -76,7 +112,7 @@ def test_patch_swaps_in_place_and_unpatch_restores():
     assert model.state_dict().keys() == keys
     with kp_core.record_launches() as rec:
         torch.testing.assert_close(model(x), expected)
-    assert rec.count(op="kp::rms_norm") == 2
+    assert rec.count(op="kp::norm") == 2
 
     assert kp_norms.unpatch(model) == ["norm1", "inner.0"]
     assert model.norm1 is original and type(model.inner[0]) is nn.RMSNorm

@@ -1,14 +1,14 @@
-"""RMSNorm: kp vs the anchors (eager formula, F.rms_norm, torch.compile, Liger-Kernel) in one run.
+"""SwiGLU: kp vs the anchors (eager F.silu(g) * u, torch.compile, Liger-Kernel) in one run.
 
-    python benchmarks/bench_rms_norm.py            # headline shapes + N sweep, writes results/<device>/
-    python benchmarks/bench_rms_norm.py --tune     # sweep kp's launch settings on the headline shapes
+    python benchmarks/bench_glu.py            # headline shapes + N sweep, writes results/<device>/glu.*
+    python benchmarks/bench_glu.py --tune     # sweep kp's tile settings (CONFIG_OVERRIDE) on the headline shapes
 
-GB/s counts the bytes the op must move: forward 2*M*N*elsize (read x, write y); forward+backward
-5*M*N*elsize (adds read x, read dy, write dx), the convention of DESIGN.md's anchors.
+gate and up are M x N each. GB/s counts the bytes the op must move: forward 3*M*N*elsize (read gate and up,
+write y); forward+backward 8*M*N*elsize (adds read dy, gate, up; write dgate, dup), DESIGN.md's convention.
+`kp packed` reads gate and up as the two halves of one M x 2N tensor (swiglu_packed) and writes one gradient.
 
-Each case is timed two ways, every provider alike: replayed from a CUDA graph (the kernels' own speed)
-and with plain launches under do_bench (what a Python loop that does nothing else sees; a ~100 us op is
-then bound by the CPU's launch and autograd overhead, and the figure is noisy).
+Each case is timed two ways, every provider alike: replayed from a CUDA graph (the kernels' own speed) and with
+plain launches under do_bench (what a Python loop that does nothing else sees, CPU overhead included).
 """
 
 from __future__ import annotations
@@ -21,71 +21,85 @@ import torch
 import torch.nn.functional as F
 
 import kp_norms
-from kp_norms.ops import rms_norm as rms_mod
+from kp_norms.ops import glu as glu_mod
 
 DTYPE = torch.bfloat16
-EPS = 1e-6
-HEADLINE = [(16384, 4096), (8192, 8192)]
-SWEEP_N = [512, 1024, 2048, 3072, 4096, 5120, 8192, 12288, 16384, 32768, 65536]
+HEADLINE = [(16384, 14336), (8192, 8192)]
+SWEEP_N = [512, 1024, 2048, 4096, 8192, 11008, 14336, 16384, 28672]
 SWEEP_ELEMENTS = 64 << 20
 
 
-def eager(x, w):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * w
+def eager(g, u):
+    return F.silu(g) * u
 
 
-# One compiled function per (width, grad mode): more than dynamo's default cache of 8 graphs per function.
-torch._dynamo.config.cache_size_limit = 256
+torch._dynamo.config.cache_size_limit = 256  # one graph per (shape, grad mode)
 
 
-def providers(n: int) -> dict:
+def providers() -> dict:
+    """name -> (fn, packed): a packed provider takes one M x 2N tensor instead of (gate, up)."""
     out = {
-        "kp": lambda x, w: kp_norms.rms_norm(x, (n,), w, EPS),
-        "F.rms_norm": lambda x, w: F.rms_norm(x, (n,), w, EPS),
-        "eager": eager,
-        "compile": torch.compile(lambda x, w: F.rms_norm(x, (n,), w, EPS), dynamic=False),
+        "kp": (kp_norms.swiglu, False),
+        "kp packed": (kp_norms.swiglu_packed, True),
+        "eager": (eager, False),
+        "compile": (torch.compile(eager, dynamic=False), False),
     }
     try:
-        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-        liger = LigerRMSNorm(n, eps=EPS).to("cuda", DTYPE)
-        out["liger"] = lambda x, w: liger(x)
+        out["liger"] = (LigerSiLUMulFunction.apply, False)
     except Exception as e:  # absent or incompatible: reported, not hidden
         print(f"Liger-Kernel unavailable: {type(e).__name__}: {e}")
     return out
 
 
-def measure(fn, m: int, n: int, mode: str, graph: bool = False) -> float:
+def inputs(m: int, n: int, packed: bool, grad: bool) -> tuple[torch.Tensor, ...]:
+    if packed:
+        return (torch.randn(m, 2 * n, device="cuda", dtype=DTYPE, requires_grad=grad),)
+    return tuple(torch.randn(m, n, device="cuda", dtype=DTYPE, requires_grad=grad) for _ in range(2))
+
+
+def measure(provider, m: int, n: int, mode: str, graph: bool = False) -> float:
+    fn, packed = provider
     bench = harness.bench_graph_ms if graph else harness.bench_ms
-    x = torch.randn(m, n, device="cuda", dtype=DTYPE, requires_grad=mode == "fwd+bwd")
-    w = torch.randn(n, device="cuda", dtype=DTYPE, requires_grad=mode == "fwd+bwd")
+    args = inputs(m, n, packed, grad=mode == "fwd+bwd")
     if mode == "fwd":
         with torch.no_grad():
-            return bench(lambda: fn(x, w))
+            return bench(lambda: fn(*args))
     dy = torch.randn(m, n, device="cuda", dtype=DTYPE)
-    return bench(lambda: fn(x, w).backward(dy), grad_to_none=[x, w])
+    return bench(lambda: fn(*args).backward(dy), grad_to_none=list(args))
 
 
 def gbps(m: int, n: int, mode: str, ms: float) -> float:
-    factor = 2 if mode == "fwd" else 5
+    factor = 3 if mode == "fwd" else 8
     return factor * m * n * DTYPE.itemsize / ms / 1e6
 
 
 def check_correct(m: int, n: int) -> None:
-    """Poison-free sanity check before timing: kp equals F.rms_norm to bf16 rounding on fresh data."""
-    x, w = torch.randn(m, n, device="cuda", dtype=DTYPE), torch.randn(n, device="cuda", dtype=DTYPE)
-    ours, ref = kp_norms.rms_norm(x, (n,), w, EPS).float(), F.rms_norm(x.double(), (n,), w.double(), EPS)
-    err = (ours - ref).abs().max().item()
-    assert err < 0.05 * ref.abs().max().item(), f"kp rms_norm wrong at {m}x{n}: max err {err}"
+    """Before timing: kp's output and gradients are within twice eager's error from a float64 reference."""
+    g, u, dy = (torch.randn(m, n, device="cuda", dtype=DTYPE) for _ in range(3))
+    results = {}
+    for name, fn in (("kp", kp_norms.swiglu), ("eager", eager)):
+        gg, ug = g.clone().requires_grad_(), u.clone().requires_grad_()
+        y = fn(gg, ug)
+        y.backward(dy)
+        results[name] = (y.detach(), gg.grad, ug.grad)
+    g64, u64 = g.double().requires_grad_(), u.double().requires_grad_()
+    y64 = eager(g64, u64)
+    y64.backward(dy.double())
+    for what, ours, theirs, ref in zip(("y", "dgate", "dup"), *results.values(), (y64.detach(), g64.grad, u64.grad)):
+        err, err_eager = ((t.double() - ref).abs().max().item() for t in (ours, theirs))
+        bound = 2 * err_eager + torch.finfo(DTYPE).eps * max(1.0, ref.abs().max().item())
+        assert err <= bound, f"kp swiglu {what} wrong at {m}x{n}: max err {err:.3e} > {bound:.3e}"
+    del g64, u64, y64
 
 
-def overhead_us(fn, n: int = 4096, rows: int = 8, iters: int = 200) -> dict:
+def overhead_us(provider, n: int = 4096, rows: int = 8, iters: int = 200) -> dict:
     """Wall time per call on a tiny input, where only the CPU side (Python, dispatch, launches) counts."""
     import time
 
-    x = torch.randn(rows, n, device="cuda", dtype=DTYPE, requires_grad=True)
-    w = torch.randn(n, device="cuda", dtype=DTYPE, requires_grad=True)
+    fn, packed = provider
+    args = inputs(rows, n, packed, grad=True)
     dy = torch.randn(rows, n, device="cuda", dtype=DTYPE)
     out = {}
     for mode in ("fwd", "fwd+bwd"):
@@ -93,10 +107,11 @@ def overhead_us(fn, n: int = 4096, rows: int = 8, iters: int = 200) -> dict:
         def call(mode=mode):
             if mode == "fwd":
                 with torch.no_grad():
-                    fn(x, w)
+                    fn(*args)
             else:
-                x.grad = w.grad = None
-                fn(x, w).backward(dy)
+                for a in args:
+                    a.grad = None
+                fn(*args).backward(dy)
 
         for _ in range(20):
             call()
@@ -110,22 +125,21 @@ def overhead_us(fn, n: int = 4096, rows: int = 8, iters: int = 200) -> dict:
 
 
 def tune() -> None:
-    default_per_sm = rms_mod.PROGRAMS_PER_SM
+    kp = providers()["kp"]
     for (m, n), mode in itertools.product(HEADLINE, ("fwd", "fwd+bwd")):
         results = []
-        for rows, warps, per_sm in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4, 8) if mode != "fwd" else (4,)):
-            if rows * n > 32768:
+        for block_m, block_n, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048, 4096), (4, 8, 16)):
+            if not 1024 <= block_m * block_n <= 16384:
                 continue
-            rms_mod.CONFIG_OVERRIDE.clear()
-            rms_mod.CONFIG_OVERRIDE[rms_mod.OP if mode == "fwd" else rms_mod.OP_BWD] = (rows, warps)
-            rms_mod.PROGRAMS_PER_SM = per_sm
-            ms = measure(providers(n)["kp"], m, n, mode, graph=True)
-            results.append((gbps(m, n, mode, ms), rows, warps, per_sm))
-        rms_mod.CONFIG_OVERRIDE.clear()
-        rms_mod.PROGRAMS_PER_SM = default_per_sm
-        print(f"tune {m}x{n} {mode}: best GB/s, block_rows, num_warps, programs/SM")
-        for r in sorted(results, reverse=True)[:5]:
-            print(f"   {r[0]:7.0f}  {r[1]}  {r[2]:2d}  {r[3]}")
+            glu_mod.CONFIG_OVERRIDE.clear()
+            glu_mod.CONFIG_OVERRIDE[glu_mod.OP if mode == "fwd" else glu_mod.OP_BWD] = (block_m, block_n, warps)
+            ms = measure(kp, m, n, mode, graph=True)
+            results.append((gbps(m, n, mode, ms), block_m, block_n, warps))
+        glu_mod.CONFIG_OVERRIDE.clear()
+        default = glu_mod._config(glu_mod.OP if mode == "fwd" else glu_mod.OP_BWD, m, n)
+        print(f"tune {m}x{n} {mode} (default {default}): best GB/s, block_m, block_n, num_warps")
+        for r in sorted(results, reverse=True)[:6]:
+            print(f"   {r[0]:7.0f}  {r[1]:2d}  {r[2]:4d}  {r[3]:2d}")
 
 
 def main() -> None:
@@ -142,33 +156,35 @@ def main() -> None:
     cases = [("headline", m, n, mode) for (m, n) in HEADLINE for mode in ("fwd", "fwd+bwd")]
     if not args.no_sweep:
         cases += [("sweep", SWEEP_ELEMENTS // n, n, mode) for n in SWEEP_N for mode in ("fwd", "fwd+bwd")]
+    provs = providers()
     rows = []
-    by_width = {}  # one set of providers (one torch.compile) per row width
-    for group, m, n, mode in harness.progress(cases, "rms_norm"):
-        check_correct(m, n)
-        if n not in by_width:
-            by_width[n] = providers(n)
-        for name, fn in by_width[n].items():
+    checked = set()
+    for group, m, n, mode in harness.progress(cases, "glu"):
+        if (m, n) not in checked:
+            check_correct(m, n)
+            checked.add((m, n))
+        for name, provider in provs.items():
             row = dict(group=group, M=m, N=n, mode=mode, provider=name)
             for timing in ("graph", "eager"):
                 try:
-                    ms = measure(fn, m, n, mode, graph=timing == "graph")
+                    ms = measure(provider, m, n, mode, graph=timing == "graph")
                 except Exception as e:  # e.g. an anchor that cannot handle a width: recorded as missing
                     print(f"{name} ({timing}) failed at {m}x{n} {mode}: {type(e).__name__}: {str(e)[:200]}")
                     continue
                 bw = gbps(m, n, mode, ms)
                 row.update({f"ms_{timing}": ms, f"gbps_{timing}": bw, f"pct_copy_{timing}": 100 * bw / copy})
             rows.append(row)
-    overhead = {name: overhead_us(fn) for name, fn in providers(4096).items()}
+    overhead = {name: overhead_us(p) for name, p in provs.items()}
     meta = {
-        "kernel": "rms_norm",
+        "kernel": "glu",
+        "op": "swiglu",
         "dtype": "bfloat16",
         "copy_gbps": copy,
         "cpu_overhead_us_8x4096": overhead,
         **harness.versions(),
     }
     md = render(meta, rows)
-    out = harness.write_results("rms_norm", meta, rows, md, lambda path: plot(rows, meta, path))
+    out = harness.write_results("glu", meta, rows, md, lambda path: plot(rows, meta, path))
     print(md)
     print(f"wrote {out}")
 
@@ -176,10 +192,11 @@ def main() -> None:
 def render(meta: dict, rows: list[dict]) -> str:
     names = list(dict.fromkeys(r["provider"] for r in rows))
     lines = [
-        f"# RMSNorm, bf16, {meta['device']}",
+        f"# SwiGLU, bf16, {meta['device']}",
         "",
         f"torch {meta['torch']}, triton {meta['triton']}, liger-kernel {meta['liger_kernel']}; "
-        f"measured copy bandwidth {meta['copy_gbps']:.0f} GB/s. Cells: GB/s (% of copy).",
+        f"measured copy bandwidth {meta['copy_gbps']:.0f} GB/s. Cells: GB/s (% of copy); "
+        "bytes: fwd 3*M*N*2, fwd+bwd 8*M*N*2.",
     ]
     titles = {
         "graph": "Kernel throughput: CUDA graph replay (GPU time only)",
@@ -193,7 +210,7 @@ def render(meta: dict, rows: list[dict]) -> str:
             cells = [
                 f"{by[p][f'gbps_{timing}']:.0f} ({by[p][f'pct_copy_{timing}']:.0f}%)" if p in by else "-" for p in names
             ]
-            anchors = [r[f"gbps_{timing}"] for p, r in by.items() if p != "kp"]
+            anchors = [r[f"gbps_{timing}"] for p, r in by.items() if not p.startswith("kp")]
             ratio = f"{by['kp'][f'gbps_{timing}'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
             lines.append(f"| {m} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
     lines += ["", "## CPU cost per call (8 x 4096 input, wall time per call in microseconds)", ""]
@@ -214,8 +231,8 @@ def plot(rows: list[dict], meta: dict, path) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, lw=2.5 if name == "kp" else 1.2)
         ax.axhline(meta["copy_gbps"], color="grey", ls="--", lw=1, label="copy bandwidth")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"RMSNorm {mode}, bf16, {SWEEP_ELEMENTS >> 20}M elements (CUDA graph)")
-        ax.set_xlabel("N (row width)")
+        ax.set_title(f"SwiGLU {mode}, bf16, {SWEEP_ELEMENTS >> 20}M elements (CUDA graph)")
+        ax.set_xlabel("N (gate / up width)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("GB/s")
     axes[1].legend(fontsize=8)

@@ -1,0 +1,307 @@
+"""Conformance spec for kp-norms' gated activations (SwiGLU, GeGLU with erf and tanh GELU), split and packed,
+forward and backward, against independent float64 references."""
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kp_conformance as kc
+import kp_core
+import kp_norms
+from kp_norms.ops import glu as glu_mod
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+TIER = kc.current()
+DEVICE = kc.device()
+KERNEL_BACKEND = kp_core.INTERPRET if kc.interpreting() else kp_core.TRITON
+SPLIT_OPS = (glu_mod.OP, glu_mod.OP_BWD)
+PACKED_OPS = (glu_mod.OP_PACKED, glu_mod.OP_PACKED_BWD)
+
+kc.declare(
+    kc.Spec(
+        name="glu",
+        ops=SPLIT_OPS + PACKED_OPS,
+        reference=(
+            "y = act(gate) * up in float64 (Shazeer 2020, 'GLU Variants Improve Transformer', eq. 6): "
+            "silu(g) = g * sigmoid(g), gelu(g) = 0.5 g (1 + erf(g / sqrt 2)), tanh form 0.5 g (1 + tanh(sqrt(2/pi) "
+            "(g + 0.044715 g^3))) (Hendrycks & Gimpel 2016; torch.nn.GELU docs); packed: gate, up = x.chunk(2, -1)"
+        ),
+        dtypes=DTYPES,
+        properties=(
+            "values",
+            "gradients",
+            "no_mutation",
+            "determinism",
+            "zero_size",
+            "bad_input",
+            "opcheck",
+            "compile",
+        ),
+    )
+)
+
+
+# ---- independent float64 references (never call kp) ----
+
+
+def silu64(g):
+    return g * torch.sigmoid(g)
+
+
+def gelu64(g):
+    return 0.5 * g * (1 + torch.erf(g / math.sqrt(2)))
+
+
+def gelu_tanh64(g):
+    return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+
+
+@dataclass(frozen=True)
+class Act:
+    split: object  # kp on (gate, up)
+    packed: object  # kp on one [..., 2H] input
+    act64: object  # the activation in float64, from its formula
+    lowp: object  # PyTorch's own activation, run in the input's precision
+
+
+ACTS = {
+    "swiglu": Act(kp_norms.swiglu, kp_norms.swiglu_packed, silu64, F.silu),
+    "geglu": Act(kp_norms.geglu, kp_norms.geglu_packed, gelu64, F.gelu),
+    "geglu_tanh": Act(
+        partial(kp_norms.geglu, approximate="tanh"),
+        partial(kp_norms.geglu_packed, approximate="tanh"),
+        gelu_tanh64,
+        partial(F.gelu, approximate="tanh"),
+    ),
+}
+FORMS = ("split", "packed")
+
+
+def skip_if_not_covered(dtype):
+    reason = kc.not_covered_reason(dtype)
+    if reason:
+        pytest.skip(reason)
+
+
+def assert_kernel_ran(record, *ops):
+    for op in ops:
+        ran = record.backends(op)
+        assert ran == {KERNEL_BACKEND}, f"{op}: expected only {KERNEL_BACKEND} launches, got {ran or 'none'}"
+
+
+def make_case(form, shape, dtype, layouts, scale, seed):
+    """Inputs for one call: (gate, up) for the split form, (x,) with x [..., 2H] for the packed form."""
+    if form == "packed":
+        return (kc.make_input(shape[:-1] + (2 * shape[-1],), dtype, DEVICE, layouts[0], scale=scale, seed=seed),)
+    return tuple(kc.make_input(shape, dtype, DEVICE, lay, scale=scale, seed=seed + i) for i, lay in enumerate(layouts))
+
+
+def calls(act, form):
+    """(ours, reference in float64, PyTorch in low precision), each taking make_case's inputs."""
+    a = ACTS[act]
+    ref64, lowp = (lambda g, u: a.act64(g) * u), (lambda g, u: a.lowp(g) * u)
+    if form == "packed":
+        return a.packed, lambda x: ref64(*x.chunk(2, -1)), lambda x: lowp(*x.chunk(2, -1))
+    return a.split, ref64, lowp
+
+
+def ops_of(form):
+    return PACKED_OPS if form == "packed" else SPLIT_OPS
+
+
+case = dict(
+    form=st.sampled_from(FORMS),  # drawn, not parametrised: both forms run the same kernels
+    shape=kc.row_shapes(TIER).map(lambda s: s[0]),  # any shape: the last dim is H
+    layouts=st.tuples(st.sampled_from(kc.LAYOUTS), st.sampled_from(kc.LAYOUTS)),
+    scale=st.sampled_from([1.0, 0.01, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+
+
+@pytest.mark.conformance(kernel="glu", prop="values")
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(**case)
+def test_values(dtype, act, form, shape, layouts, scale, seed):
+    skip_if_not_covered(dtype)
+    inputs = make_case(form, shape, dtype, layouts, scale, seed)
+    ours, ref64, lowp = calls(act, form)
+    with kp_core.record_launches() as rec:
+        y = ours(*inputs)
+    if y.numel():
+        assert_kernel_ran(rec, ops_of(form)[0])
+    kc.check_close("y", y, ref64(*(t.double() for t in inputs)), lowp(*inputs), dtype)
+
+
+def grads(fn, inputs, dy):
+    """(y, gradient of each input) for fn(*inputs).backward(dy)."""
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    y = fn(*inputs)
+    y.backward(dy)
+    return [y.detach(), *(t.grad for t in inputs)]
+
+
+@pytest.mark.conformance(kernel="glu", prop="gradients")
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(**case)
+def test_gradients(dtype, act, form, shape, layouts, scale, seed):
+    skip_if_not_covered(dtype)
+    inputs = make_case(form, shape, dtype, layouts, scale, seed)
+    dy = kc.make_input(shape, dtype, DEVICE, layouts[-1], seed=seed + 2)
+    ours, ref64, lowp = calls(act, form)
+    with kp_core.record_launches() as rec:
+        got = grads(ours, inputs, dy)[1:]
+    if dy.numel():
+        assert_kernel_ran(rec, *ops_of(form))
+    refs = grads(ref64, [t.double() for t in inputs], dy.double())[1:]
+    lows = grads(lowp, inputs, dy)[1:]
+    names = ("dinput",) if form == "packed" else ("dgate", "dup")
+    for name, g, r, low in zip(names, got, refs, lows):
+        kc.check_close(name, g, r, low, dtype)
+
+
+FIXED_SHAPES = [(7, 33), (3, 5, 257), (2, 1), (4, 1025)]
+
+
+@pytest.mark.conformance(kernel="glu", prop="no_mutation")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@pytest.mark.parametrize("layout", kc.LAYOUTS)
+def test_no_mutation(dtype, layout):
+    skip_if_not_covered(dtype)
+    for i, shape in enumerate(FIXED_SHAPES):
+        for act, form in zip(ACTS, FORMS * 2):
+            inputs = make_case(form, shape, dtype, (layout, layout), 1.0, i)
+            dy = kc.make_input(shape, dtype, DEVICE, layout, seed=i + 7)
+            before = [t.clone() for t in (*inputs, dy)]
+            ours = calls(act, form)[0]
+            with kp_core.record_launches() as rec:
+                ours(*inputs)  # forward alone on the originals
+                grads(ours, inputs, dy)
+            assert_kernel_ran(rec, *ops_of(form))
+            for t, b in zip((*inputs, dy), before):
+                assert torch.equal(t, b), f"{act} {form}: an input was modified"
+
+
+@pytest.mark.conformance(kernel="glu", prop="determinism")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_determinism(dtype):
+    """Bitwise-equal results and gradients on repeated calls."""
+    skip_if_not_covered(dtype)
+    rows = 4096 if DEVICE.type == "cuda" else 67
+    for act, form in (("swiglu", "split"), ("geglu_tanh", "packed")):
+        inputs = make_case(form, (rows, 4097), dtype, ("contiguous", "contiguous"), 1.0, 3)
+        dy = kc.make_input((rows, 4097), dtype, DEVICE, "contiguous", seed=4)
+        ours = calls(act, form)[0]
+        outs = []
+        for _ in range(2):
+            with kp_core.record_launches() as rec:
+                outs.append(grads(ours, inputs, dy))
+            assert_kernel_ran(rec, *ops_of(form))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), "repeated calls differ"
+
+
+@pytest.mark.conformance(kernel="glu", prop="zero_size")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_zero_size(dtype):
+    for shape in [(0, 8), (3, 0, 5), (4, 0)]:
+        for act, form in zip(ACTS, FORMS * 2):
+            inputs = [t.requires_grad_() for t in make_case(form, shape, dtype, ("contiguous",) * 2, 1.0, 0)]
+            ours, _, lowp = calls(act, form)
+            with kp_core.record_launches() as rec:
+                y = ours(*inputs)
+                y.sum().backward()
+            # Documented behaviour: an empty input launches no kernel (nothing to compute, no empty grid).
+            assert rec.backends() <= {kp_core.REFERENCE}, f"an empty input launched {rec.launches}"
+            expected = lowp(*inputs)
+            assert y.shape == expected.shape and y.dtype == expected.dtype
+            assert all(t.grad.shape == t.shape and t.grad.dtype == t.dtype for t in inputs)
+
+
+def _t(d, shape=(2, 4), dtype=torch.float32):
+    return torch.ones(shape, dtype=dtype, device=d)
+
+
+BAD_INPUTS = [
+    # (description, call, error type, words the message must contain)
+    ("shape mismatch", lambda d: kp_norms.swiglu(_t(d), _t(d, (2, 5))), ValueError, "up"),
+    ("broadcast is not supported", lambda d: kp_norms.geglu(_t(d), _t(d, (4,))), ValueError, "up"),
+    ("odd packed width", lambda d: kp_norms.swiglu_packed(_t(d, (2, 5))), ValueError, "input"),
+    ("0-dim packed input", lambda d: kp_norms.geglu_packed(_t(d, ())), ValueError, "input"),
+    ("integer gate", lambda d: kp_norms.swiglu(_t(d, dtype=torch.int32), _t(d)), TypeError, "gate"),
+    ("bool up", lambda d: kp_norms.geglu(_t(d), _t(d, dtype=torch.bool)), TypeError, "up"),
+    ("integer packed input", lambda d: kp_norms.swiglu_packed(_t(d, dtype=torch.int64)), TypeError, "input"),
+    ("dtype mix", lambda d: kp_norms.swiglu(_t(d), _t(d, dtype=torch.float16)), TypeError, "up"),
+    ("device mix", lambda d: kp_norms.swiglu(_t(d), torch.ones(2, 4, device="meta")), ValueError, "up"),
+    ("not a tensor", lambda d: kp_norms.swiglu([[1.0]], _t(d)), TypeError, "gate"),
+    ("bad approximate", lambda d: kp_norms.geglu(_t(d), _t(d), approximate="erf"), ValueError, "approximate"),
+    ("bad packed approximate", lambda d: kp_norms.geglu_packed(_t(d), approximate=None), ValueError, "approximate"),
+]
+
+
+@pytest.mark.conformance(kernel="glu", prop="bad_input")
+@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input(what, call, error, words):
+    with pytest.raises(error, match=words):
+        call(DEVICE)
+
+
+@pytest.mark.conformance(kernel="glu", prop="opcheck")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_opcheck(dtype):
+    skip_if_not_covered(dtype)
+    for layout, activation in (("row_strided", "silu"), ("transposed", "gelu_tanh")):
+        g, u = (kc.make_input((37, 130), dtype, DEVICE, layout, seed=i).requires_grad_() for i in (1, 2))
+        x = kc.make_input((37, 260), dtype, DEVICE, layout, seed=3).requires_grad_()
+        dy = kc.make_input((37, 130), dtype, DEVICE, layout, seed=4)
+        with kp_core.record_launches() as rec:
+            torch.library.opcheck(glu_mod.glu_op, (g, u, activation))
+            torch.library.opcheck(glu_mod.glu_backward_op, (dy, g.detach(), u.detach(), activation))
+            torch.library.opcheck(glu_mod.glu_packed_op, (x, activation))
+            torch.library.opcheck(glu_mod.glu_packed_backward_op, (dy, x.detach(), activation))
+        assert_kernel_ran(rec, *SPLIT_OPS, *PACKED_OPS)
+
+
+@pytest.mark.conformance(kernel="glu", prop="compile")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_compile_fullgraph_equals_eager(dtype):
+    skip_if_not_covered(dtype)
+    torch._dynamo.reset()
+
+    def f(g, u, x):
+        return kp_norms.swiglu(g * 2, u) + kp_norms.geglu_packed(x, approximate="tanh") * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    for layout, shape in zip(("contiguous", "transposed"), FIXED_SHAPES[:2]):
+        g, u = make_case("split", shape, dtype, (layout, "row_strided"), 1.0, 5)
+        (x,) = make_case("packed", shape, dtype, (layout,), 1.0, 6)
+        dy = kc.make_input(shape, dtype, DEVICE, "contiguous", seed=7)
+        results = []
+        for fn in (f, compiled):
+            with kp_core.record_launches() as rec:
+                results.append(grads(fn, (g, u, x), dy))
+            assert_kernel_ran(rec, *SPLIT_OPS, *PACKED_OPS)
+        for name, a, b in zip(("y", "dgate", "dup", "dinput"), *results):
+            # The ops are opaque to the compiler, so the same kernels compute both; what Inductor fuses around
+            # them (* 2, +) is exact or rounds once in every dtype here, as eager does.
+            assert torch.equal(a, b), (
+                f"{name}: compiled differs from eager by {(a.double() - b.double()).abs().max():.3e}"
+            )
+
+
+def test_reference_is_independent():
+    """The references must not route through kp (sanity check on the spec itself)."""
+    g = torch.linspace(-4, 4, 9, dtype=torch.float64)
+    with kp_core.record_launches() as rec:
+        values = [fn(g) for fn in (silu64, gelu64, gelu_tanh64)]
+    assert rec.count() == 0
+    torch.testing.assert_close(values[0], F.silu(g))
+    torch.testing.assert_close(values[1], F.gelu(g))
+    torch.testing.assert_close(values[2], F.gelu(g, approximate="tanh"))
