@@ -37,38 +37,47 @@ if kp_core.has_triton():
     import triton.language as tl
 
     @triton.jit
-    def _sigmoid_pair(a):
-        """(sigmoid(a), 1 - sigmoid(a)), both to full relative precision: 1 - sigmoid(a) = exp(-a) * sigmoid(a)
-        has no cancellation where sigmoid(a) -> 1 (1 - s would lose every digit there)."""
-        e = tl.exp(-a)
-        s = 1.0 / (1.0 + e)
-        return s, tl.where(s > 0, e * s, 1.0)  # e = inf gives s = 0, and then 1 - s = 1
+    def _sigmoid(x):
+        """(sigmoid(x), 1 - sigmoid(x)), both accurate: exp(-|x|) never overflows, and the complement is a
+        product, not 1 - s (that cancels for large x and costs ~1e-6 relative in the gradients)."""
+        e = tl.exp(-tl.abs(x))
+        p = 1.0 / (1.0 + e)
+        q = e * p
+        return tl.where(x >= 0, p, q), tl.where(x >= 0, q, p)
+
+    @triton.jit
+    def act(g, ACT: tl.constexpr, WANT_GRAD: tl.constexpr):
+        """(act(g), act'(g)) in g's dtype (act'(g) = act(g) when not WANT_GRAD; identity for NONE). GELU's
+        tanh form is g * sigmoid(2z), z = sqrt(2/pi) (g + 0.044715 g^3): no tanh, full precision where
+        tanh(z) -> -1. Python float constants take g's dtype: exact in fp64 too."""
+        if ACT == 1:
+            s, s_c = _sigmoid(g)
+            a = g * s
+            da = a
+            if WANT_GRAD:
+                da = s * (1.0 + g * s_c)
+        elif ACT == 2:
+            cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+            a = g * cdf
+            da = a
+            if WANT_GRAD:
+                da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+        elif ACT == 3:
+            g2 = g * g
+            s, s_c = _sigmoid(1.5957691216057308 * (g + 0.044715 * g2 * g))
+            a = g * s
+            da = a
+            if WANT_GRAD:
+                da = s * (1.0 + 1.5957691216057308 * g * s_c * (1.0 + 0.134145 * g2))
+        else:
+            a = g
+            da = g * 0.0 + 1.0
+        return a, da
 
     @triton.jit
     def act_fwd(z, ACT: tl.constexpr):
-        """act(z) for z in the accumulation dtype. GELU's tanh form uses 0.5 * (1 + tanh(u)) = sigmoid(2u),
-        which keeps full precision where tanh(u) -> -1."""
-        if ACT == 1:
-            out = z / (1.0 + tl.exp(-z))
-        elif ACT == 2:
-            out = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
-        elif ACT == 3:
-            out = z / (1.0 + tl.exp(-1.5957691216057308 * (z + 0.044715 * z * z * z)))
-        else:
-            out = z
-        return out
+        return act(z, ACT, False)[0]
 
     @triton.jit
     def act_grad(z, ACT: tl.constexpr):
-        """d act(z) / dz."""
-        if ACT == 1:
-            s, one_minus_s = _sigmoid_pair(z)
-            out = s * (1.0 + z * one_minus_s)
-        elif ACT == 2:
-            out = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
-        elif ACT == 3:
-            s, one_minus_s = _sigmoid_pair(1.5957691216057308 * (z + 0.044715 * z * z * z))
-            out = s + z * s * one_minus_s * 1.5957691216057308 * (1.0 + 0.134145 * z * z)
-        else:
-            out = z * 0.0 + 1.0
-        return out
+        return act(z, ACT, True)[1]

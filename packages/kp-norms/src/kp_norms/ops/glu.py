@@ -16,6 +16,7 @@ import math
 import torch
 
 import kp_core
+from kp_norms.ops import activation
 
 OP = "kp::glu"
 OP_BWD = "kp::glu_backward"
@@ -23,45 +24,13 @@ OP_PACKED = "kp::glu_packed"
 OP_PACKED_BWD = "kp::glu_packed_backward"
 PACKAGE = "kp-norms"
 DTYPES = kp_core.FLOAT_DTYPES
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # op-level name -> the kernels' ACT switch
+ACTIVATIONS = {name: i for name, i in activation.IDS.items() if name}  # op-level name -> kernels' ACT switch
 
 if kp_core.has_triton():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _sigmoid(x):
-        """(sigmoid(x), 1 - sigmoid(x)), both accurate: exp(-|x|) never overflows, and the complement is a
-        product, not 1 - s (that cancels for large x and costs ~1e-6 relative in the gradients)."""
-        e = tl.exp(-tl.abs(x))
-        p = 1.0 / (1.0 + e)
-        q = e * p
-        return tl.where(x >= 0, p, q), tl.where(x >= 0, q, p)
-
-    @triton.jit
-    def _act(g, ACT: tl.constexpr, WANT_GRAD: tl.constexpr):
-        """(act(g), act'(g)) in g's dtype (act'(g) = act(g) when not WANT_GRAD). Exp-based sigmoid for silu
-        and the tanh form (no libdevice tanh). Python float constants take g's dtype: exact in fp64 too."""
-        if ACT == 0:
-            s, s_c = _sigmoid(g)
-            a = g * s
-            da = a
-            if WANT_GRAD:
-                da = s * (1.0 + g * s_c)
-        elif ACT == 1:
-            cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
-            a = g * cdf
-            da = a
-            if WANT_GRAD:
-                da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
-        else:
-            g2 = g * g
-            s, s_c = _sigmoid(1.5957691216057308 * (g + 0.044715 * g2 * g))  # sigmoid(2 z)
-            a = g * s
-            da = a
-            if WANT_GRAD:
-                da = s * (1.0 + 1.5957691216057308 * g * s_c * (1.0 + 0.134145 * g2))
-        return a, da
+    from kp_norms.ops.activation import act
 
     @triton.jit
     def _tile(pid, n_col_blocks, M, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -91,7 +60,7 @@ if kp_core.has_triton():
         r, c, mask = _tile(tl.program_id(0), n_col_blocks, M, H, BLOCK_M, BLOCK_N)
         g = tl.load(G + r * stride_g + c, mask=mask, other=0.0).to(ACC)
         u = tl.load(U + r * stride_u + c, mask=mask, other=0.0).to(ACC)
-        a, _ = _act(g, ACT, False)
+        a, _ = act(g, ACT, False)
         tl.store(Y + r * stride_y + c, (a * u).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -119,7 +88,7 @@ if kp_core.has_triton():
         dy = tl.load(DY + r * stride_dy + c, mask=mask, other=0.0).to(ACC)
         g = tl.load(G + r * stride_g + c, mask=mask, other=0.0).to(ACC)
         u = tl.load(U + r * stride_u + c, mask=mask, other=0.0).to(ACC)
-        a, da = _act(g, ACT, True)
+        a, da = act(g, ACT, True)
         tl.store(DG + r * stride_dg + c, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
         tl.store(DU + r * stride_du + c, (dy * a).to(DU.dtype.element_ty), mask=mask)
 
