@@ -183,62 +183,28 @@ def main() -> None:
         "cpu_overhead_us_8x4096": overhead,
         **harness.versions(),
     }
-    md = render(meta, rows)
-    out = harness.write_results("glu", meta, rows, md, lambda path: plot(rows, meta, path))
+    md = harness.render(_header(meta), meta, rows)
+    out = harness.write_results(
+        "glu",
+        meta,
+        rows,
+        md,
+        lambda path: harness.plot_modes(
+            [r for r in rows if r["group"] == "sweep"], meta, path, "SwiGLU, bf16, 64M elements,", "N (gate / up width)"
+        ),
+    )
     print(md)
     print(f"wrote {out}")
 
 
-def render(meta: dict, rows: list[dict]) -> str:
-    names = list(dict.fromkeys(r["provider"] for r in rows))
-    lines = [
+def _header(meta: dict) -> list[str]:
+    return [
         f"# SwiGLU, bf16, {meta['device']}",
         "",
         f"torch {meta['torch']}, triton {meta['triton']}, liger-kernel {meta['liger_kernel']}; "
         f"measured copy bandwidth {meta['copy_gbps']:.0f} GB/s. Cells: GB/s (% of copy); "
         "bytes: fwd 3*M*N*2, fwd+bwd 8*M*N*2.",
     ]
-    titles = {
-        "graph": "Kernel throughput: CUDA graph replay (GPU time only)",
-        "eager": "Plain launches: triton.testing.do_bench (includes CPU launch/autograd overhead when it dominates)",
-    }
-    for timing, title in titles.items():
-        lines += ["", f"## {title}", "", "| M x N | mode | " + " | ".join(names) + " | kp / best anchor |"]
-        lines.append("|---|---|" + "---|" * (len(names) + 1))
-        for (m, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["N"], r["mode"])):
-            by = {r["provider"]: r for r in group if f"gbps_{timing}" in r}
-            cells = [
-                f"{by[p][f'gbps_{timing}']:.0f} ({by[p][f'pct_copy_{timing}']:.0f}%)" if p in by else "-" for p in names
-            ]
-            anchors = [r[f"gbps_{timing}"] for p, r in by.items() if not p.startswith("kp")]
-            ratio = f"{by['kp'][f'gbps_{timing}'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
-            lines.append(f"| {m} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
-    lines += ["", "## CPU cost per call (8 x 4096 input, wall time per call in microseconds)", ""]
-    lines += ["| provider | fwd | fwd+bwd |", "|---|---|---|"]
-    for name, us in meta.get("cpu_overhead_us_8x4096", {}).items():
-        lines.append(f"| {name} | {us['fwd']:.0f} | {us['fwd+bwd']:.0f} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict], meta: dict, path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
-        sweep = [r for r in rows if r["group"] == "sweep" and r["mode"] == mode]
-        for name in dict.fromkeys(r["provider"] for r in sweep):
-            pts = sorted((r["N"], r["gbps_graph"]) for r in sweep if r["provider"] == name and "gbps_graph" in r)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, lw=2.5 if name == "kp" else 1.2)
-        ax.axhline(meta["copy_gbps"], color="grey", ls="--", lw=1, label="copy bandwidth")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"SwiGLU {mode}, bf16, {SWEEP_ELEMENTS >> 20}M elements (CUDA graph)")
-        ax.set_xlabel("N (gate / up width)")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("GB/s")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(meta["device"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -226,65 +226,28 @@ def run_kernel(kind: str, sweep: bool, copy: float) -> None:
     overhead = {name: overhead_us(fn) for name, fn in providers(kind, 4096).items()}
     meta = {"kernel": kind, "dtype": "bfloat16", "copy_gbps": copy, "cpu_overhead_us_8x4096": overhead}
     meta.update(harness.versions())
-    md = render(meta, rows)
+    md = harness.render(_header(meta), meta, rows)
     slug = kind.replace("+", "_")
-    out = harness.write_results(slug, meta, rows, md, lambda path: plot(rows, meta, path))
+    out = harness.write_results(
+        slug,
+        meta,
+        rows,
+        md,
+        lambda path: harness.plot_modes(
+            rows, meta, path, f"{meta['kernel']}, bf16,", "N (row width); 64M elements, or the headline shapes"
+        ),
+    )
     print(md)
     print(f"wrote {out}/{slug}.*")
 
 
-def render(meta: dict, rows: list[dict]) -> str:
-    names = list(dict.fromkeys(r["provider"] for r in rows))
-    lines = [
+def _header(meta: dict) -> list[str]:
+    return [
         f"# {meta['kernel']}, bf16, {meta['device']}",
         "",
         f"torch {meta['torch']}, triton {meta['triton']}, liger-kernel {meta['liger_kernel']}; "
         f"measured copy bandwidth {meta['copy_gbps']:.0f} GB/s. Cells: GB/s (% of copy).",
     ]
-    titles = {
-        "graph": "Kernel throughput: CUDA graph replay (GPU time only)",
-        "eager": "Plain launches: triton.testing.do_bench (includes CPU launch/autograd overhead when it dominates)",
-    }
-    for timing, title in titles.items():
-        lines += ["", f"## {title}", "", "| M x N | mode | " + " | ".join(names) + " | kp / best anchor |"]
-        lines.append("|---|---|" + "---|" * (len(names) + 1))
-        for (m, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["N"], r["mode"])):
-            by = {r["provider"]: r for r in group if f"gbps_{timing}" in r}
-            if not by:
-                continue
-            cells = [
-                f"{by[p][f'gbps_{timing}']:.0f} ({by[p][f'pct_copy_{timing}']:.0f}%)" if p in by else "-" for p in names
-            ]
-            # kp's own composites ("add + kp", "kp then F.silu") are not anchors.
-            anchors = [r[f"gbps_{timing}"] for p, r in by.items() if "kp" not in p]
-            ratio = f"{by['kp'][f'gbps_{timing}'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
-            lines.append(f"| {m} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
-    lines += ["", "## CPU cost per call (8 x 4096 input, wall time per call in microseconds)", ""]
-    lines += ["| provider | fwd | fwd+bwd |", "|---|---|---|"]
-    for name, us in meta.get("cpu_overhead_us_8x4096", {}).items():
-        lines.append(f"| {name} | {us['fwd']:.0f} | {us['fwd+bwd']:.0f} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict], meta: dict, path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
-        pts_rows = [r for r in rows if r["mode"] == mode and "gbps_graph" in r]
-        for name in dict.fromkeys(r["provider"] for r in pts_rows):
-            pts = sorted({r["N"]: r["gbps_graph"] for r in pts_rows if r["provider"] == name}.items())
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, lw=2.5 if name == "kp" else 1.2)
-        ax.axhline(meta["copy_gbps"], color="grey", ls="--", lw=1, label="copy bandwidth")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{meta['kernel']} {mode}, bf16 (CUDA graph)")
-        ax.set_xlabel("N (row width); 64M elements, or the headline shapes at 4096 / 8192")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("GB/s")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(meta["device"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -81,3 +82,56 @@ def write_results(kernel: str, meta: dict, rows: list[dict], markdown: str, plot
     except ImportError:
         print("matplotlib not installed: no plot written")
     return out
+
+
+TIMING_TITLES = {
+    "graph": "Kernel throughput: CUDA graph replay (GPU time only)",
+    "eager": "Plain launches: triton.testing.do_bench (includes CPU launch/autograd overhead when it dominates)",
+}
+
+
+def render(header: list[str], meta: dict, rows: list[dict]) -> str:
+    """The results markdown: one table per timing method, then the CPU cost per call. Providers whose name
+    contains "kp" (kp's own variants and composites) are not anchors in the kp / best anchor column."""
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    lines = list(header)
+    for timing, title in TIMING_TITLES.items():
+        lines += ["", f"## {title}", "", "| M x N | mode | " + " | ".join(names) + " | kp / best anchor |"]
+        lines.append("|---|---|" + "---|" * (len(names) + 1))
+        for (m, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["N"], r["mode"])):
+            by = {r["provider"]: r for r in group if f"gbps_{timing}" in r}
+            if not by:
+                continue
+            cells = [
+                f"{by[p][f'gbps_{timing}']:.0f} ({by[p][f'pct_copy_{timing}']:.0f}%)" if p in by else "-" for p in names
+            ]
+            anchors = [r[f"gbps_{timing}"] for p, r in by.items() if "kp" not in p]
+            ratio = f"{by['kp'][f'gbps_{timing}'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
+            lines.append(f"| {m} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+    lines += ["", "## CPU cost per call (8 x 4096 input, wall time per call in microseconds)", ""]
+    lines += ["| provider | fwd | fwd+bwd |", "|---|---|---|"]
+    for name, us in meta.get("cpu_overhead_us_8x4096", {}).items():
+        lines.append(f"| {name} | {us['fwd']:.0f} | {us['fwd+bwd']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_modes(rows: list[dict], meta: dict, path, title: str, xlabel: str) -> None:
+    """GB/s (graph timing) against N, forward and forward+backward side by side, copy bandwidth dashed."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
+        mode_rows = [r for r in rows if r["mode"] == mode and "gbps_graph" in r]
+        for name in dict.fromkeys(r["provider"] for r in mode_rows):
+            pts = sorted({r["N"]: r["gbps_graph"] for r in mode_rows if r["provider"] == name}.items())
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, lw=2.5 if name == "kp" else 1.2)
+        ax.axhline(meta["copy_gbps"], color="grey", ls="--", lw=1, label="copy bandwidth")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{title} {mode} (CUDA graph)")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(meta["device"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -19,7 +19,6 @@ from kp_norms.ops import glu as glu_mod
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TIER = kc.current()
 DEVICE = kc.device()
-KERNEL_BACKEND = kp_core.INTERPRET if kc.interpreting() else kp_core.TRITON
 SPLIT_OPS = (glu_mod.OP, glu_mod.OP_BWD)
 PACKED_OPS = (glu_mod.OP_PACKED, glu_mod.OP_PACKED_BWD)
 
@@ -83,18 +82,6 @@ ACTS = {
 FORMS = ("split", "packed")
 
 
-def skip_if_not_covered(dtype):
-    reason = kc.not_covered_reason(dtype)
-    if reason:
-        pytest.skip(reason)
-
-
-def assert_kernel_ran(record, *ops):
-    for op in ops:
-        ran = record.backends(op)
-        assert ran == {KERNEL_BACKEND}, f"{op}: expected only {KERNEL_BACKEND} launches, got {ran or 'none'}"
-
-
 def make_case(form, shape, dtype, layouts, scale, seed):
     """Inputs for one call: (gate, up) for the split form, (x,) with x [..., 2H] for the packed form."""
     if form == "packed":
@@ -129,13 +116,13 @@ case = dict(
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @given(**case)
 def test_values(dtype, act, form, shape, layouts, scale, seed):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     inputs = make_case(form, shape, dtype, layouts, scale, seed)
     ours, ref64, lowp = calls(act, form)
     with kp_core.record_launches() as rec:
         y = ours(*inputs)
     if y.numel():
-        assert_kernel_ran(rec, ops_of(form)[0])
+        kc.assert_kernel_ran(rec, ops_of(form)[0])
     kc.check_close("y", y, ref64(*(t.double() for t in inputs)), lowp(*inputs), dtype)
 
 
@@ -152,14 +139,14 @@ def grads(fn, inputs, dy):
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @given(**case)
 def test_gradients(dtype, act, form, shape, layouts, scale, seed):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     inputs = make_case(form, shape, dtype, layouts, scale, seed)
     dy = kc.make_input(shape, dtype, DEVICE, layouts[-1], seed=seed + 2)
     ours, ref64, lowp = calls(act, form)
     with kp_core.record_launches() as rec:
         got = grads(ours, inputs, dy)[1:]
     if dy.numel():
-        assert_kernel_ran(rec, *ops_of(form))
+        kc.assert_kernel_ran(rec, *ops_of(form))
     refs = grads(ref64, [t.double() for t in inputs], dy.double())[1:]
     lows = grads(lowp, inputs, dy)[1:]
     names = ("dinput",) if form == "packed" else ("dgate", "dup")
@@ -174,7 +161,7 @@ FIXED_SHAPES = [(7, 33), (3, 5, 257), (2, 1), (4, 1025)]
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @pytest.mark.parametrize("layout", kc.LAYOUTS)
 def test_no_mutation(dtype, layout):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     for i, shape in enumerate(FIXED_SHAPES):
         for act, form in zip(ACTS, FORMS * 2):
             inputs = make_case(form, shape, dtype, (layout, layout), 1.0, i)
@@ -184,7 +171,7 @@ def test_no_mutation(dtype, layout):
             with kp_core.record_launches() as rec:
                 ours(*inputs)  # forward alone on the originals
                 grads(ours, inputs, dy)
-            assert_kernel_ran(rec, *ops_of(form))
+            kc.assert_kernel_ran(rec, *ops_of(form))
             for t, b in zip((*inputs, dy), before):
                 assert torch.equal(t, b), f"{act} {form}: an input was modified"
 
@@ -193,7 +180,7 @@ def test_no_mutation(dtype, layout):
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_determinism(dtype):
     """Bitwise-equal results and gradients on repeated calls."""
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     rows = 4096 if DEVICE.type == "cuda" else 67
     for act, form in (("swiglu", "split"), ("geglu_tanh", "packed")):
         inputs = make_case(form, (rows, 4097), dtype, ("contiguous", "contiguous"), 1.0, 3)
@@ -203,7 +190,7 @@ def test_determinism(dtype):
         for _ in range(2):
             with kp_core.record_launches() as rec:
                 outs.append(grads(ours, inputs, dy))
-            assert_kernel_ran(rec, *ops_of(form))
+            kc.assert_kernel_ran(rec, *ops_of(form))
         for a, b in zip(*outs):
             assert torch.equal(a, b), "repeated calls differ"
 
@@ -256,7 +243,7 @@ def test_bad_input(what, call, error, words):
 @pytest.mark.conformance(kernel="glu", prop="opcheck")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_opcheck(dtype):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     for layout, activation in (("row_strided", "silu"), ("transposed", "gelu_tanh")):
         g, u = (kc.make_input((37, 130), dtype, DEVICE, layout, seed=i).requires_grad_() for i in (1, 2))
         x = kc.make_input((37, 260), dtype, DEVICE, layout, seed=3).requires_grad_()
@@ -266,13 +253,13 @@ def test_opcheck(dtype):
             torch.library.opcheck(glu_mod.glu_backward_op, (dy, g.detach(), u.detach(), activation))
             torch.library.opcheck(glu_mod.glu_packed_op, (x, activation))
             torch.library.opcheck(glu_mod.glu_packed_backward_op, (dy, x.detach(), activation))
-        assert_kernel_ran(rec, *SPLIT_OPS, *PACKED_OPS)
+        kc.assert_kernel_ran(rec, *SPLIT_OPS, *PACKED_OPS)
 
 
 @pytest.mark.conformance(kernel="glu", prop="compile")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_compile_fullgraph_equals_eager(dtype):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     torch._dynamo.reset()
 
     def f(g, u, x):
@@ -287,7 +274,7 @@ def test_compile_fullgraph_equals_eager(dtype):
         for fn in (f, compiled):
             with kp_core.record_launches() as rec:
                 results.append(grads(fn, (g, u, x), dy))
-            assert_kernel_ran(rec, *SPLIT_OPS, *PACKED_OPS)
+            kc.assert_kernel_ran(rec, *SPLIT_OPS, *PACKED_OPS)
         for name, a, b in zip(("y", "dgate", "dup", "dinput"), *results):
             # The ops are opaque to the compiler, so the same kernels compute both; what Inductor fuses around
             # them (* 2, +) is exact or rounds once in every dtype here, as eager does.

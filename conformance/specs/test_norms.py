@@ -25,7 +25,6 @@ from kp_norms.ops import norm as norm_mod
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TIER = kc.current()
 DEVICE = kc.device()
-KERNEL_BACKEND = kp_core.INTERPRET if kc.interpreting() else kp_core.TRITON
 FWD, BWD = norm_mod.OP, norm_mod.OP_BWD
 
 kc.declare(
@@ -183,18 +182,6 @@ def effective_eps(eps, dtype):
     return eps if eps is not None else torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
 
-def skip_if_not_covered(dtype):
-    reason = kc.not_covered_reason(dtype)
-    if reason:
-        pytest.skip(reason)
-
-
-def assert_kernel_ran(record, *ops):
-    for op in ops:
-        ran = record.backends(op)
-        assert ran == {KERNEL_BACKEND}, f"{op}: expected only {KERNEL_BACKEND} launches, got {ran or 'none'}"
-
-
 @dataclass
 class Case:
     x: torch.Tensor
@@ -258,7 +245,7 @@ def check_variant(v: Variant, name, dtype, c: Case, with_grads: bool):
         with kp_core.record_launches() as rec:
             ours = v.ours(*c.inputs(), c.eps)
         if c.x.numel():
-            assert_kernel_ran(rec, FWD)
+            kc.assert_kernel_ran(rec, FWD)
         ref = v.ref(*c.double(), e)
         low = v.lowp(*c.inputs(), c.eps if c.eps is not None else None)
         for i, (a, r64, lo) in enumerate(zip(ours, ref, low)):
@@ -273,7 +260,7 @@ def check_variant(v: Variant, name, dtype, c: Case, with_grads: bool):
     with kp_core.record_launches() as rec:
         _, ours = _grads(lambda *a: v.ours(*a), c, cot)
     if c.x.numel():
-        assert_kernel_ran(rec, FWD, BWD)
+        kc.assert_kernel_ran(rec, FWD, BWD)
     c64 = Case(*c.double(), e)
     _, ref = _grads(lambda *a: v.ref(*a), c64, [t.double() for t in cot])
     _, low = _grads(lambda *a: v.lowp(*a), c, cot)
@@ -290,7 +277,7 @@ def cells(prop, names=NAMES):
 @pytest.mark.parametrize("name", cells("values"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_values(name, dtype):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
 
     @settings(max_examples=EXAMPLES[name])
     @given(**case)
@@ -304,7 +291,7 @@ def test_values(name, dtype):
 @pytest.mark.parametrize("name", cells("gradients"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_gradients(name, dtype):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
 
     @settings(max_examples=EXAMPLES[name])
     @given(**case)
@@ -323,7 +310,7 @@ LOW = (torch.float16, torch.bfloat16)
 @pytest.mark.parametrize("dtype", LOW, ids=kc.dtype_id)
 def test_mixed_dtypes(name, dtype):
     """fp32 weight (and bias) with a half-precision input, as torch allows; Llama's output is then fp32."""
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     v = VARIANTS[name]
     if name == "layer_norm":
         # torch's CUDA layer_norm refuses mixed dtypes (its CPU one accepts them): PyTorch's baseline is then
@@ -344,7 +331,7 @@ ADD = {"add_rms_norm": kp_norms.add_rms_norm, "add_layer_norm": kp_norms.add_lay
 def test_in_place(name, dtype):
     """in_place=True leaves the sum in `residual` and matches the out-of-place call to the bit, with and
     without autograd, eager and compiled, for layouts the kernel writes directly and ones it cannot."""
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     torch._dynamo.reset()
     fn = ADD[name]
     compiled = torch.compile(lambda x, r, w: fn(x, r, w, None, in_place=True), fullgraph=True)
@@ -357,7 +344,7 @@ def test_in_place(name, dtype):
             x0 = c.x.clone()
             with torch.no_grad(), kp_core.record_launches() as rec:
                 y, s = call(c.x, r, c.w)
-            assert_kernel_ran(rec, FWD)
+            kc.assert_kernel_ran(rec, FWD)
             assert s is r or call is compiled, "in_place must return the residual tensor itself"
             assert torch.equal(r, s_ref) and torch.equal(y, y_ref), "in-place result differs from out-of-place"
             assert torch.equal(c.x, x0), "input was modified"
@@ -371,7 +358,7 @@ def test_in_place(name, dtype):
             with kp_core.record_launches() as rec:
                 y, s = fn(x, r, w, in_place=in_place)
                 (y.float().sum() + (s.float() * dy.float()).sum()).backward()
-            assert_kernel_ran(rec, FWD, BWD)
+            kc.assert_kernel_ran(rec, FWD, BWD)
             assert (s is r) == in_place
             grads.append((y.detach(), s.detach(), x.grad, r0.grad, w.grad))
         for a, b in zip(*grads):
@@ -382,7 +369,7 @@ def test_in_place(name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @pytest.mark.parametrize("layout", kc.LAYOUTS)
 def test_no_mutation(dtype, layout):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     for name, v in VARIANTS.items():
         for i, shape in enumerate(FIXED_SHAPES[:2]):
             c = make_case(v, shape, dtype, layout, True, 1e-5, 1.0, i)
@@ -392,7 +379,7 @@ def test_no_mutation(dtype, layout):
                 v.ours(*c.inputs(), c.eps)  # forward alone on the originals
                 out = v.ours(*leaves, c.eps)
                 sum(o.float().sum() for o in out).backward()
-            assert_kernel_ran(rec, FWD, BWD)
+            kc.assert_kernel_ran(rec, FWD, BWD)
             for t, b in zip(c.inputs(), before):
                 assert t is None or torch.equal(t, b), f"{name}: an input was modified"
 
@@ -401,7 +388,7 @@ def test_no_mutation(dtype, layout):
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_determinism(name, dtype):
     """Bitwise-equal results on repeated calls, weight and bias gradients included (no atomics)."""
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     rows = 4096 if DEVICE.type == "cuda" else 67
     v = VARIANTS[name]
     for i, n in enumerate((4097, 20000)):
@@ -413,7 +400,7 @@ def test_determinism(name, dtype):
             with kp_core.record_launches() as rec:
                 out = v.ours(*leaves, c.eps)
                 out[0].backward(dy)
-            assert_kernel_ran(rec, FWD, BWD)
+            kc.assert_kernel_ran(rec, FWD, BWD)
             outs.append([out[0].detach()] + [t.grad for t in leaves if t is not None])
         for a, b in zip(*outs):
             assert torch.equal(a, b), "repeated calls differ"
@@ -422,7 +409,7 @@ def test_determinism(name, dtype):
 @pytest.mark.parametrize("name", cells("nan_inf", ["rms_norm", "layer_norm", "add_rms_norm"]))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_nan_inf_propagate_per_row(name, dtype):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     v = VARIANTS[name]
     for n in (33, 4096, 20000):
         c = make_case(v, (5, n), dtype, "contiguous", True, 1e-5, 1.0, n)
@@ -431,7 +418,7 @@ def test_nan_inf_propagate_per_row(name, dtype):
         c.x[4, n - 1] = float("-inf")
         with kp_core.record_launches() as rec:
             y = v.ours(*c.inputs(), c.eps)[0]
-        assert_kernel_ran(rec, FWD)
+        kc.assert_kernel_ran(rec, FWD)
         ref = v.ref(*c.double(), effective_eps(c.eps, dtype))[0]
         assert torch.equal(torch.isnan(y).cpu(), torch.isnan(ref).cpu()), "NaN pattern differs from the reference"
         assert torch.equal(torch.isinf(y).cpu(), torch.isinf(ref).cpu()), "Inf pattern differs from the reference"
@@ -545,7 +532,7 @@ OPCHECK_FLAGS = [  # (residual, bias, rms, offset, round_n, act, weight dtype)
 @pytest.mark.conformance(kernel="norm", prop="opcheck")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_opcheck(dtype):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     for i, (has_r, has_b, rms, offset, round_n, act, wd) in enumerate(OPCHECK_FLAGS):
         layout = kc.LAYOUTS[i % 3]
         x = kc.make_input((37, 130), dtype, DEVICE, layout, seed=i).requires_grad_()
@@ -565,13 +552,13 @@ def test_opcheck(dtype):
             if has_r:
                 res = r.detach().clone()
                 torch.library.opcheck(norm_mod.add_norm_inplace_op, (x.detach(), res, w.detach(), b, *flags))
-        assert_kernel_ran(rec, FWD, BWD)
+        kc.assert_kernel_ran(rec, FWD, BWD)
 
 
 @pytest.mark.parametrize("name", cells("compile", ["rms_norm", "rms_norm[llama]", "layer_norm+gelu", "add_layer_norm"]))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_compile_fullgraph_equals_eager(name, dtype):
-    skip_if_not_covered(dtype)
+    kc.skip_if_not_covered(dtype)
     torch._dynamo.reset()
     v = VARIANTS[name]
 
@@ -587,7 +574,7 @@ def test_compile_fullgraph_equals_eager(name, dtype):
             with kp_core.record_launches() as rec:
                 out = fn(*leaves)
                 sum((o.float() * (k + 1)).sum() for k, o in enumerate(out)).backward()
-            assert_kernel_ran(rec, FWD, BWD)
+            kc.assert_kernel_ran(rec, FWD, BWD)
             results.append([o.detach() for o in out] + [t.grad for t in leaves if t is not None])
         for a, b in zip(*results):
             # The op is opaque to the compiler, so the same kernel computes both: results match to the bit

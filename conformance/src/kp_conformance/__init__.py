@@ -1,6 +1,7 @@
 """kp-conformance: shared strategies, tiers, tolerance rule and reporting for kp's kernel specs."""
 
 from kp_conformance.env import arch, device, dtype_id, interpreting, not_covered_reason
+from kp_conformance.launched import assert_kernel_ran, kernel_backend, skip_if_not_covered
 from kp_conformance.spec import SPECS, Spec, declare
 from kp_conformance.strategies import LAYOUTS, make_input, row_shapes
 from kp_conformance.tiers import TIERS, current, register_profiles
@@ -13,14 +14,17 @@ __all__ = [
     "declare",
     "TIERS",
     "arch",
+    "assert_kernel_ran",
     "atol_for",
     "check_close",
     "current",
     "device",
     "dtype_id",
     "interpreting",
+    "kernel_backend",
     "make_input",
     "not_covered_reason",
     "register_profiles",
     "row_shapes",
+    "skip_if_not_covered",
 ]
