@@ -77,7 +77,7 @@ def tests(session: nox.Session, package: str) -> None:
     _install_torch(session)
     if _installing(session):
         session.install(*TEST_DEPS)
-        if package == "kp-norms":  # its patch tests run tiny transformers models against the tolerance rule
+        if package in ("kp-norms", "kp-attention"):  # patch tests: tiny transformers models, the tolerance rule
             session.install(*HF_DEPS)
             session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, *dict.fromkeys(["kp-core", package]))

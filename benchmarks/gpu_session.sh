@@ -10,7 +10,7 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-SRC=packages/kp-core/src:packages/kp-norms/src:conformance/src:benchmarks
+SRC=packages/kp-core/src:packages/kp-norms/src:packages/kp-attention/src:conformance/src:benchmarks
 status=0
 for step in "$@"; do
   echo "=== $step ($(date +%T))"

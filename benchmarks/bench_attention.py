@@ -1,0 +1,251 @@
+"""Attention: kp vs SDPA's backends (flash = FlashAttention-2, cuDNN, memory-efficient) and FlexAttention.
+
+    python benchmarks/bench_attention.py            # every case below, writes results/<device>/attention.*
+    python benchmarks/bench_attention.py --quick    # S = 4096 only, plus decode
+
+TFLOP/s count the useful multiply-adds: forward 4 * B * H * D * (visible query-key pairs), forward+backward
+3.5x that (FlashAttention's convention: backward = 2.5 forward). Decode reports GB/s of K and V read.
+Attention calls take milliseconds, so plain launches under do_bench are the kernels' own speed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import math
+
+import harness
+import kp_attention
+import torch
+import torch.nn.functional as F
+
+DTYPE = torch.bfloat16
+TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
+
+
+def visible_pairs(sq: int, sk: int, causal: bool, window: int) -> int:
+    """Query-key pairs the mask keeps (bottom-right causal diagonal; window = keys to the left, -1 = all)."""
+    total = 0
+    for i in range(sq):
+        hi = i + sk - sq if causal else sk - 1
+        lo = max(0, i + sk - sq - window) if window >= 0 else 0
+        total += max(0, min(hi, sk - 1) - lo + 1)
+    return total
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal, window):
+        if window >= 0:
+            raise ValueError("SDPA has no sliding window without an explicit mask")
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+    return run
+
+
+def _flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks = {}
+
+    def run(q, k, v, causal, window):
+        key = (q.shape[2], k.shape[2], causal, window)
+        if key not in masks:
+
+            def mod(b, h, qi, kj):
+                ok = kj <= qi if causal else kj >= 0
+                return ok & (qi - kj <= window) if window >= 0 else ok
+
+            masks[key] = create_block_mask(mod, None, None, q.shape[2], k.shape[2], device="cuda")
+        return compiled(q, k, v, block_mask=masks[key], enable_gqa=q.shape[1] != k.shape[1])
+
+    return run
+
+
+def providers() -> dict:
+    from torch.nn.attention import SDPBackend
+
+    out = {
+        "kp": lambda q, k, v, causal, window: kp_attention.flash_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, window=(window, 0 if causal else -1)
+        ).transpose(1, 2),
+        "sdpa flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
+    }
+    try:
+        out["flex"] = _flex()
+    except Exception as e:
+        print(f"FlexAttention unavailable: {type(e).__name__}: {e}")
+    return out
+
+
+def cases(quick: bool) -> list[dict]:
+    seqs = (4096,) if quick else (1024, 4096, 16384)
+    out = [
+        dict(name="dense", b=TOKENS // s, s=s, hq=HEADS, hkv=HEADS, causal=c, window=-1) for s in seqs for c in (0, 1)
+    ]
+    out.append(dict(name="gqa", b=4, s=4096, hq=32, hkv=8, causal=1, window=-1))
+    if not quick:
+        out.append(dict(name="sliding window 4096", b=1, s=16384, hq=HEADS, hkv=HEADS, causal=1, window=4096))
+    return out
+
+
+def check_correct(fn, q, k, v, causal, window) -> None:
+    ours = fn(q, k, v, causal, window).float()
+    ref = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=bool(causal), enable_gqa=q.shape[1] != k.shape[1]
+    )
+    if window < 0:
+        err = (ours - ref).abs().max().item()
+        assert err < 2e-2, f"kp attention wrong: max err {err}"
+
+
+def time_ms(fn, q, k, v, causal: bool, window: int, mode: str) -> float:
+    if mode == "fwd":
+        with torch.no_grad():
+            return harness.bench_ms(lambda: fn(q, k, v, causal, window))
+    do = torch.randn_like(q)
+    return harness.bench_ms(lambda: fn(q, k, v, causal, window).backward(do), grad_to_none=[q, k, v])
+
+
+def run_dense(quick: bool) -> list[dict]:
+    rows = []
+    provs = providers()
+    for c in harness.progress(cases(quick), "attention"):
+        b, s, hq, hkv, causal, window = c["b"], c["s"], c["hq"], c["hkv"], bool(c["causal"]), c["window"]
+        q, k, v = (
+            torch.randn(b, h, s, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True) for h in (hq, hkv, hkv)
+        )
+        flops = 4 * b * hq * HEAD_DIM * visible_pairs(s, s, causal, window)
+        check_correct(provs["kp"], q, k, v, causal, window)
+        for (name, fn), mode in itertools.product(provs.items(), ("fwd", "fwd+bwd")):
+            row = dict(case=c["name"], B=b, S=s, Hq=hq, Hkv=hkv, causal=c["causal"], window=window)
+            try:
+                ms = time_ms(fn, q, k, v, causal, window, mode)
+            except Exception as e:  # an anchor without this feature (e.g. SDPA + window): recorded as missing
+                print(f"{name} {mode} failed on {c}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            work = flops * (3.5 if mode == "fwd+bwd" else 1.0)
+            rows.append({**row, "mode": mode, "provider": name, "ms": ms, "tflops": work / ms / 1e9})
+    return rows
+
+
+def _sdpa_decode(backend, q, k, v):
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+
+
+DECODE = [(1, 8192), (1, 32768), (16, 32768), (64, 8192)]
+
+
+def run_decode() -> list[dict]:
+    from torch.nn.attention import SDPBackend
+
+    rows = []
+    hq, hkv = 32, 8
+    for b, length in DECODE:
+        q = torch.randn(b, 1, hq, HEAD_DIM, device="cuda", dtype=DTYPE)
+        k = torch.randn(b, length, hkv, HEAD_DIM, device="cuda", dtype=DTYPE)
+        v = torch.randn_like(k)
+        seqlens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+        nbytes = 2 * k.numel() * k.element_size()
+        fns = {
+            "kp": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens),
+            "sdpa flash": functools.partial(_sdpa_decode, SDPBackend.FLASH_ATTENTION, q, k, v),
+            "sdpa cudnn": functools.partial(_sdpa_decode, SDPBackend.CUDNN_ATTENTION, q, k, v),
+        }
+        for name, fn in fns.items():
+            try:
+                with torch.no_grad():
+                    ms = harness.bench_ms(fn)
+            except Exception as e:
+                print(f"{name} decode failed at B{b} L{length}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            rows.append(
+                dict(case="decode", B=b, L=length, Hq=hq, Hkv=hkv, provider=name, ms=ms, gbps=nbytes / ms / 1e6)
+            )
+    return rows
+
+
+def render(meta: dict, dense: list[dict], decode: list[dict]) -> str:
+    names = list(dict.fromkeys(r["provider"] for r in dense))
+    lines = [
+        f"# Attention, bf16, D {HEAD_DIM}, {meta['device']}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}.",
+    ]
+    lines += [
+        "",
+        "## TFLOP/s (useful FLOPs)",
+        "",
+        "| case | B x S | Hq/Hkv | causal | mode | " + " | ".join(names) + " |",
+    ]
+    lines.append("|---|---|---|---|---|" + "---|" * len(names))
+    keys = dict.fromkeys((r["case"], r["B"], r["S"], r["Hq"], r["Hkv"], r["causal"], r["mode"]) for r in dense)
+    for case, b, s, hq, hkv, causal, mode in keys:
+        by = {
+            r["provider"]: r
+            for r in dense
+            if (r["case"], r["B"], r["S"], r["causal"], r["mode"]) == (case, b, s, causal, mode)
+        }
+        cells = [f"{by[p]['tflops']:.0f}" if p in by else "-" for p in names]
+        lines.append(f"| {case} | {b} x {s} | {hq}/{hkv} | {causal} | {mode} | " + " | ".join(cells) + " |")
+    dnames = list(dict.fromkeys(r["provider"] for r in decode))
+    lines += ["", "## Decode, q length 1, Hq 32 / Hkv 8: GB/s of K + V read", ""]
+    lines += ["| B | cache length | " + " | ".join(dnames) + " |", "|---|---|" + "---|" * len(dnames)]
+    for b, length in DECODE:
+        by = {r["provider"]: r for r in decode if (r["B"], r["L"]) == (b, length)}
+        lines.append(
+            f"| {b} | {length} | " + " | ".join(f"{by[p]['gbps']:.0f}" if p in by else "-" for p in dnames) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(dense: list[dict], meta: dict, path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
+        rows = [r for r in dense if r["mode"] == mode and r["case"] == "dense"]
+        for name in dict.fromkeys(r["provider"] for r in rows):
+            for causal, style in ((0, "-"), (1, "--")):
+                pts = sorted((r["S"], r["tflops"]) for r in rows if r["provider"] == name and r["causal"] == causal)
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=f"{name}{' causal' * causal}"
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"attention {mode}, bf16, D {HEAD_DIM}, {TOKENS} tokens x {HEADS} heads")
+        ax.set_xlabel("sequence length")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("TFLOP/s")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(meta["device"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    harness.require_gpu()
+    torch._dynamo.config.cache_size_limit = 64
+    dense = run_dense(args.quick)
+    decode = run_decode()
+    meta = {"kernel": "attention", "dtype": "bfloat16", "head_dim": HEAD_DIM, **harness.versions()}
+    md = render(meta, dense, decode)
+    out = harness.write_results("attention", meta, dense + decode, md, lambda path: plot(dense, meta, path))
+    print(md)
+    print(f"wrote {out}/attention.*")
+    assert math.isfinite(sum(r.get("tflops", 0.0) for r in dense))
+
+
+if __name__ == "__main__":
+    main()

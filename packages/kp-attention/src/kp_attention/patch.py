@@ -1,0 +1,84 @@
+"""Route a Hugging Face model's attention through kp, via transformers' attention-function registry.
+
+`patch(model)` registers an attention function named "kp" (and the SDPA mask builder under the same name) and
+switches the model to it with `set_attn_implementation`; `unpatch(model)` switches back. transformers is
+imported only here, when a model is patched: it stays an optional dependency.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+NAME = "kp"
+_PREVIOUS = "_kp_attention_previous"
+
+
+def kp_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D); returns the
+    output as (B, Sq, Hq, D) and no attention weights.
+
+    With no mask (transformers skips building one when it is purely causal) the FlashAttention-layout kernel
+    runs, with the model's sliding window and softcap. With a mask (padding, packed sequences, ...) the SDPA
+    drop-in runs with it; softcap is then unsupported, as in transformers' own SDPA path.
+    """
+    from kp_attention import flash_attention, scaled_dot_product_attention
+
+    if dropout and module.training:
+        raise ValueError("kp attention: attention dropout is not supported; set the model's attention_dropout to 0")
+    softcap = kwargs.get("softcap") or 0.0
+    window = kwargs.get("sliding_window")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views: the kernels take any strides
+    if attention_mask is None:
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        causal = bool(causal) and query.shape[2] > 1
+        # transformers' sliding window keeps keys with kv_idx > q_idx - window: `window - 1` to the left.
+        left = window - 1 if window else -1
+        out = flash_attention(
+            q, k, v, causal=causal, window=(left, 0 if causal else -1), softcap=softcap, scale=scaling
+        )
+        return out, None
+    if softcap:
+        raise ValueError("kp attention: softcap with an explicit attention mask is not supported")
+    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, kp_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def patch(model: nn.Module) -> str:
+    """Switch a transformers model (Llama family and any model using the attention registry) to kp's attention.
+    Returns the implementation it replaced (e.g. "sdpa"); `unpatch` restores it."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"kp_attention.patch: model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    _register()
+    previous = model.config._attn_implementation
+    if previous != NAME:
+        setattr(model, _PREVIOUS, previous)
+    model.set_attn_implementation(NAME)
+    return getattr(model, _PREVIOUS, previous)
+
+
+def unpatch(model: nn.Module) -> str | None:
+    """Restore the attention implementation `patch` replaced; returns it (None when the model was not patched)."""
+    previous = getattr(model, _PREVIOUS, None)
+    if previous is not None:
+        model.set_attn_implementation(previous)
+        delattr(model, _PREVIOUS)
+    return previous
