@@ -163,10 +163,6 @@ def kw(c):
     return dict(causal=c["causal"], window=c["window"], softcap=c["softcap"], scale=c["scale"])
 
 
-def cells(prop):
-    return pytest.param(marks=pytest.mark.conformance(kernel="flash_attention", prop=prop))
-
-
 @pytest.mark.conformance(kernel="flash_attention", prop="values")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @settings(max_examples=EXAMPLES)
@@ -260,21 +256,24 @@ def test_varlen_matches_per_sequence(dtype):
             )
             out.float().square().sum().backward()
         assert rec.backends() == {kc.kernel_backend()}
+        # The reference and PyTorch's baseline per sequence, concatenated: the rule is then judged over the whole
+        # packed output, as for the dense op (one 5-key sequence alone is a handful of roundings, noise).
+        refs, lows = [], []
         for i in range(len(lens_q)):
             sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
             one = [t[s][None] for t, s in ((q, sq), (k, sk), (v, sk))]
-            ref = attention64(*one, causal=causal, window=window)[0][0]
-            low = lowp_attention(*one, causal=causal, window=window)[0]
-            kc.check_close(f"varlen seq {i} out", out[sq], ref, low, dtype)
-            # Gradients: the per-sequence float64 reference through autograd.
             leaves64 = [t.double().requires_grad_() for t in one]
             y = attention64(*leaves64, causal=causal, window=window)[0]
             y.square().sum().backward()
             lowg = [t.detach().requires_grad_() for t in one]
-            lowp_attention(*lowg, causal=causal, window=window).float().square().sum().backward()
-            for name, ours, r, lo in zip(("dq", "dk", "dv"), (leaves[0].grad[sq], leaves[1].grad[sk], leaves[2].grad[sk]),
-                                         (t.grad[0] for t in leaves64), (t.grad[0] for t in lowg)):  # fmt: skip
-                kc.check_close(f"varlen seq {i} {name}", ours, r, lo.nan_to_num(0.0), dtype)
+            y_low = lowp_attention(*lowg, causal=causal, window=window)
+            y_low.float().square().sum().backward()
+            refs.append([y.detach()[0]] + [t.grad[0] for t in leaves64])
+            lows.append([y_low.detach()[0]] + [t.grad[0].nan_to_num(0.0) for t in lowg])
+        ours = (out.detach(), leaves[0].grad, leaves[1].grad, leaves[2].grad)
+        for j, name in enumerate(("out", "dq", "dk", "dv")):
+            ref, low = torch.cat([r[j] for r in refs]), torch.cat([lo[j] for lo in lows])
+            kc.check_close(f"varlen {name} (causal={causal}, window={window})", ours[j], ref, low, dtype)
 
 
 @pytest.mark.conformance(kernel="scaled_dot_product_attention", prop="sdpa")
@@ -410,8 +409,9 @@ def test_opcheck(dtype):
     c = dict(b=1, sq=37, sk=45, hq=4, hkv=2, d=32, layout="contiguous", seed=5)
     q, k, v = make_qkv(c, dtype, requires_grad=True)
     with kp_core.record_launches() as rec:
-        for causal in (False, True):
-            torch.library.opcheck(flash_mod.flash_attention_op, flash_mod.opcheck_args(q, k, v, causal=causal))
+        for right in (-1, 0):  # no mask, causal (bottom-right)
+            args = (q, k, v, None, None, None, c["sq"], c["sk"], 1 / math.sqrt(c["d"]), 0.0, -1, right, True)
+            torch.library.opcheck(flash_mod.flash_attention_op, args)
     assert rec.backends() == {kc.kernel_backend()}
     k_cache, v_cache = make_qkv(dict(c, sq=64, hq=2), dtype)[0], make_qkv(dict(c, sq=64, hq=2, seed=6), dtype)[0]
     seqlens = torch.tensor([40], dtype=torch.int32, device=DEVICE)

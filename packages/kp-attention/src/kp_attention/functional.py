@@ -1,0 +1,215 @@
+"""Attention's functional API: FlashAttention's and torch's signatures, argument checks, one kernel family.
+
+All three functions run kp_attention.ops.flash (eager: an autograd.Function; under torch.compile: the custom ops
+kp::flash_attention / kp::flash_attention_backward).
+"""
+
+import math
+from typing import Optional, Union
+
+import torch
+
+import kp_core
+from kp_attention.ops.flash import DTYPES, MAX_HEAD_DIM, Params, attention, default_scale
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_qkv(op: str, q, k, v, ndim: int, layout: str, names=("q", "k", "v")):
+    """Tensors, dtypes, devices, ndim, head dims, k/v shapes and head divisibility (heads at dim -2)."""
+    nq, nk, nv = names
+    for name, t in zip(names, (q, k, v)):
+        kp_core.check_tensor(op, name, t, dtypes=DTYPES)
+    kp_core.check_same_dtype(op, nk, k, q, nq)
+    kp_core.check_same_dtype(op, nv, v, q, nq)
+    kp_core.check_same_device(op, **{nq: q, nk: k, nv: v})
+    for name, t in zip(names, (q, k, v)):
+        if t.dim() != ndim:
+            raise ValueError(f"{op}: {name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
+    d = q.shape[-1]
+    for name, t in ((nk, k), (nv, v)):
+        if t.shape[-1] != d:
+            raise ValueError(f"{op}: head dims differ: {nq} has {d}, {name} has {t.shape[-1]}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head dim of {nq} must be between 1 and {MAX_HEAD_DIM}, got {d}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"{op}: {nk} and {nv} must agree in batch, seqlen and heads, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"{op}: {nq}'s heads ({hq}) must be a multiple of {nk}/{nv}'s heads ({hkv})")
+
+
+def _check_options(op: str, causal, window, softcap, scale, d: int) -> Params:
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(_is_int(w) for w in window)):
+        raise ValueError(f"{op}: window must be a pair of ints (left, right), got {window!r}")
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(f"{op}: window values must be >= -1 (-1 = unbounded), got {tuple(window)}")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not (0 <= softcap < math.inf):
+        raise ValueError(f"{op}: softcap must be a finite number >= 0, got {softcap!r}")
+    if scale is not None and (
+        not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale)
+    ):
+        raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
+    if causal:
+        right = 0  # as FlashAttention: causal is a window with right = 0
+    return Params(float(default_scale(d) if scale is None else scale), float(softcap), int(left), int(right), True)
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """FlashAttention's `flash_attn_func`: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), any strides.
+
+    Hq must be a multiple of Hkv (GQA/MQA: q head h reads kv head h // (Hq // Hkv)). D from 1 to 256; fp16, bf16
+    or fp32 (fp32 is computed with exact fp32 products). scale defaults to 1/sqrt(D).
+    Masks are aligned to the bottom-right corner (FlashAttention >= 2.1): with off = Sk - Sq, query i sees key j
+    iff  i + off - left <= j <= i + off + right  (window=(left, right), -1 = unbounded; causal=True sets right=0).
+    softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma-2), after scaling.
+    Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq) fp32: the natural-log
+    logsumexp of the (scaled, softcapped) scores. lse is differentiable. Rows with no visible key (possible when
+    Sq > Sk under causal/window masks) give out 0, lse -inf and zero gradients.
+    deterministic is accepted for FlashAttention compatibility and always satisfied: the backward uses no atomics.
+    """
+    op = "kp_attention.flash_attention"
+    _check_qkv(op, q, k, v, 4, "(batch, seqlen, heads, head_dim)")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"{op}: batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
+    out, lse = attention(q, k, v, None, None, None, p)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """FlashAttention's `flash_attn_varlen_func`: packed q (total_q, Hq, D), k and v (total_k, Hkv, D).
+
+    Sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v;
+    cu_seqlens_* are int32 of shape (batch + 1,), start at 0, are non-decreasing and end at total_*.
+    max_seqlen_* must be >= the longest sequence. Masks, softcap, scale and GQA as in flash_attention, per
+    sequence (bottom-right aligned). lse has shape (Hq, total_q).
+    Checked on the host: dtypes, shapes and lengths always; the values of cu_seqlens (start, order, end,
+    max_seqlen) in eager mode, which reads them back once (set kp_attention.ops.flash.VALIDATE_CU_SEQLENS = False
+    to skip that sync).
+    """
+    op = "kp_attention.flash_attention_varlen"
+    _check_qkv(op, q, k, v, 3, "(total, heads, head_dim)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        kp_core.check_tensor(op, name, cu, dtypes=(torch.int32,), ndim=1)
+        kp_core.check_same_device(op, q=q, **{name: cu})
+        if cu.shape[0] < 1:
+            raise ValueError(f"{op}: {name} must have batch + 1 >= 1 entries, got shape {tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"{op}: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
+        )
+    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not _is_int(val) or val < 0:
+            raise ValueError(f"{op}: {name} must be an int >= 0, got {val!r}")
+    p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
+    p = Params(p.scale, p.softcap, p.window_left, p.window_right, True, max_seqlen_q, max_seqlen_k)
+    out, lse = attention(q, k, v, None, cu_seqlens_q, cu_seqlens_k, p)
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Drop-in for `torch.nn.functional.scaled_dot_product_attention` on (B, H, L, E) / (B, H, S, E) tensors
+    (3-D (B, L, E) too), any strides (the kernels read the transposed layout in place, no copies).
+
+    is_causal is top-left aligned as in torch (`ones(L, S).tril()`). attn_mask: boolean (True = attend) or an
+    additive float mask, broadcastable to (B, H, L, S); it gets no gradient (an attn_mask that requires grad is
+    an error). enable_gqa: as in torch (H_q a multiple of H_kv); without it the head counts must match.
+    Differences from torch: dropout_p > 0 is not supported (NotImplementedError); value must have key's head dim;
+    rows whose keys are all masked give 0 (torch gives NaN). The output is a (B, H, L, E) view of a
+    (B, L, H, E)-contiguous tensor.
+    """
+    op = "kp_attention.scaled_dot_product_attention"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        kp_core.check_tensor(op, name, t, dtypes=DTYPES)
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{op}: {name} must have 4 dimensions (batch, heads, seqlen, head_dim) or 3, got "
+                             f"shape {tuple(t.shape)}")  # fmt: skip
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError(f"{op}: query, key and value must have the same number of dimensions")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{op}: dropout_p must be a number in [0, 1], got {dropout_p!r}")
+    if dropout_p > 0.0:
+        raise NotImplementedError(f"{op}: dropout_p > 0 is not supported (got {dropout_p}); apply dropout outside")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"{op}: is_causal must be a bool, got {type(is_causal).__name__}")
+    if is_causal and attn_mask is not None:
+        raise ValueError(f"{op}: attn_mask and is_causal=True cannot be set together (as in torch)")
+    three_d = query.dim() == 3
+    if three_d:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, E) views
+    _check_qkv(op, q, k, v, 4, "(batch, heads, seqlen, head_dim)", ("query", "key", "value"))
+    b, lq, hq, e = q.shape
+    if k.shape[0] != b:
+        raise ValueError(f"{op}: batch sizes differ: query has {b}, key/value have {k.shape[0]}")
+    if hq != k.shape[2] and not enable_gqa:
+        raise ValueError(f"{op}: query has {hq} heads and key/value {k.shape[2]}; pass enable_gqa=True for GQA")
+    s = k.shape[1]
+    mask = None
+    if attn_mask is not None:
+        kp_core.check_tensor(op, "attn_mask", attn_mask, dtypes=(torch.bool, *kp_core.FLOAT_DTYPES))
+        kp_core.check_same_device(op, query=query, attn_mask=attn_mask)
+        if attn_mask.requires_grad:
+            raise ValueError(f"{op}: attn_mask requires grad, but gradients w.r.t. the mask are not supported")
+        target = (b, lq, s) if three_d else (b, hq, lq, s)
+        try:
+            if torch.broadcast_shapes(attn_mask.shape, target) != torch.Size(target):
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(
+                f"{op}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target}"
+            ) from None
+        mask = attn_mask.expand(target)
+        if three_d:
+            mask = mask.unsqueeze(1)
+    if scale is not None and (
+        not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale)
+    ):
+        raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
+    p = Params(float(default_scale(e) if scale is None else scale), 0.0, -1, 0 if is_causal else -1, False)
+    out = attention(q, k, v, mask, None, None, p)[0].transpose(1, 2)
+    return out.squeeze(1) if three_d else out

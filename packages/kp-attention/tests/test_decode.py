@@ -1,0 +1,352 @@
+"""flash_attention_with_kvcache against a float64 reference written here from the formula (never calling kp):
+gather each sequence's valid cache rows (through block_table when paged), repeat kv heads for GQA, scale,
+softcap c * tanh(s / c), mask (causal diagonal bottom-right, window about it), softmax, @ V. Rows that see no
+key are defined as 0 with lse -inf (FlashAttention's convention)."""
+
+import math
+
+import pytest
+import torch
+from kp_attention.ops import decode
+
+import kp_core
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [
+    torch.float16,
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            DEVICE == "cpu", reason="bf16 tl.dot is computed wrongly by the interpreter; GPU only"
+        ),
+    ),
+]
+ATOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
+OP = decode.OP
+KERNEL = "interpret" if kp_core.interpreter_enabled() else kp_core.TRITON
+fa = decode.flash_attention_with_kvcache
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """BLOCK_N = 16 whatever the head dim: several key blocks (and splits) at the small lengths used here."""
+    monkeypatch.setattr(decode, "CONFIG_OVERRIDE", {f"d{d}": (16, 4, 2) for d in (16, 32, 64, 128, 256)})
+
+
+# ---- the float64 reference ----
+
+
+def gather(cache, b, n, block_table):
+    """(n, Hkv, D): the first n tokens of sequence b."""
+    if block_table is None:
+        return cache[b, :n]
+    page = cache.shape[1]
+    j = torch.arange(n, device=cache.device)
+    return cache[block_table[b].long()[j // page], j % page]
+
+
+def ref_attention(q, k_cache, v_cache, lens, block_table=None, causal=True, window=(-1, -1), softcap=0.0,
+                  scale=None, dtype=torch.float64):  # fmt: skip
+    """(out, lse) with scores and softmax in `dtype` (float64: the ground truth; q's dtype: torch's low
+    precision, softmax in fp32)."""
+    batch, sq, hq, d = q.shape
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    left, right = window
+    if causal:
+        right = 0
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float64)
+    for b, n in enumerate(lens):
+        kb, vb = gather(k_cache, b, n, block_table), gather(v_cache, b, n, block_table)
+        group = hq // kb.shape[1]
+        kb = kb.cpu().to(dtype).repeat_interleave(group, 1).transpose(0, 1)  # (Hq, n, D)
+        vb = vb.cpu().to(dtype).repeat_interleave(group, 1).transpose(0, 1)
+        qb = q[b].cpu().to(dtype).transpose(0, 1)  # (Hq, Sq, D)
+        s = (qb @ kb.transpose(1, 2)).double() * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(sq)[:, None]
+        j = torch.arange(n)[None, :]
+        diag = i + n - sq
+        ok = torch.ones(sq, n, dtype=torch.bool)
+        if right >= 0:
+            ok &= j <= diag + right
+        if left >= 0:
+            ok &= j >= diag - left
+        s = s.masked_fill(~ok, float("-inf"))
+        lse_b = torch.logsumexp(s, -1)
+        p = torch.softmax(s, -1).nan_to_num(0.0)  # fully masked rows: 0
+        p = p.to(dtype) if dtype != torch.float64 else p
+        out[b] = (p @ vb).double().transpose(0, 1)
+        lse[b] = lse_b
+    return out, lse
+
+
+def check(name, out, lse, q, k_cache, v_cache, lens, **kw):
+    """max|ours - ref64| <= 2 max|torch_lowp - ref64| + atol, for out and lse (atol alone for lse)."""
+    ref, ref_lse = ref_attention(q, k_cache, v_cache, lens, **kw)
+    low, _ = ref_attention(q, k_cache, v_cache, lens, dtype=q.dtype, **kw)
+    err = (out.cpu().double() - ref).abs()
+    bound = 2 * (low - ref).abs().max().item() + ATOL[q.dtype]
+    print(f"{name}: out max err {err.max().item():.3g} mean {err.mean().item():.3g} (bound {bound:.3g})")
+    assert err.max().item() <= bound, name
+    lse = lse.cpu().double()
+    assert torch.equal(lse.isinf(), ref_lse.isinf()), f"{name}: rows with no visible key differ"
+    fin = ~ref_lse.isinf()
+    if fin.any():
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() <= 1e-3, f"{name}: lse"
+    assert (out.cpu()[ref_lse.transpose(1, 2).isinf()] == 0).all(), f"{name}: empty rows must be 0"
+
+
+def rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=DEVICE)
+
+
+def make_cache(batch, capacity, hkv, d, dtype, paged, seed, page=16):
+    """(k_cache, v_cache, block_table): paged caches get shuffled pages plus spare ones."""
+    if not paged:
+        return rand(batch, capacity, hkv, d, dtype=dtype, seed=seed), rand(batch, capacity, hkv, d, dtype=dtype,
+                                                                           seed=seed + 1), None  # fmt: skip
+    per_seq = capacity // page
+    num_blocks = batch * per_seq + 3
+    g = torch.Generator().manual_seed(seed + 2)
+    bt = torch.randperm(num_blocks, generator=g)[: batch * per_seq].view(batch, per_seq).to(torch.int32).to(DEVICE)
+    k_cache = rand(num_blocks, page, hkv, d, dtype=dtype, seed=seed)
+    return k_cache, rand(num_blocks, page, hkv, d, dtype=dtype, seed=seed + 1), bt
+
+
+# ---- values ----
+
+# (paged, Sq, Hq, Hkv, D, window, softcap, causal); capacity 64, lengths 0, part, full (L < Sq: see below)
+CASES = [
+    (False, 1, 8, 2, 64, (-1, -1), 0.0, True),
+    (True, 1, 8, 2, 64, (-1, -1), 0.0, True),
+    (False, 3, 8, 1, 59, (-1, -1), 0.0, True),
+    (True, 3, 4, 4, 80, (5, -1), 0.0, True),
+    (False, 1, 4, 4, 32, (20, -1), 7.0, True),
+    (True, 3, 8, 1, 17, (-1, -1), 3.0, True),
+    (False, 3, 8, 2, 48, (6, 1), 0.0, False),
+    (True, 1, 2, 2, 1, (-1, -1), 0.0, False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+def test_matches_reference(case, dtype, small_blocks):
+    paged, sq, hq, hkv, d, window, softcap, causal = case
+    lens = [0, 37, 64]
+    k_cache, v_cache, bt = make_cache(len(lens), 64, hkv, d, dtype, paged, seed=d, page=32)  # 2 blocks a page
+    q = rand(len(lens), sq, hq, d, dtype=dtype, seed=d + 7)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    kw = dict(block_table=bt, causal=causal, window=window, softcap=softcap)
+    for splits in (1, 3):
+        with kp_core.record_launches() as rec:
+            out, lse = fa(q, k_cache, v_cache, seqlens, num_splits=splits, return_lse=True, **kw)
+        assert rec.backends(OP) == {KERNEL}
+        assert rec.count(OP, kernel="_decode_combine") == (splits > 1)
+        assert out.dtype == dtype and out.shape == q.shape and lse.shape == (len(lens), hq, sq)
+        assert lse.dtype == torch.float32
+        check(f"{case} splits {splits}", out, lse, q, k_cache, v_cache, lens, **kw)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_splits_agree(paged):
+    """The default BLOCK_N over a longer cache (pages of 48: BLOCK_N 16): 1, 2, 5 splits and auto agree."""
+    lens = [300, 480]
+    k_cache, v_cache, bt = make_cache(2, 480, 1, 128, torch.float32, paged, seed=3, page=48)
+    q = rand(2, 1, 4, 128, dtype=torch.float32, seed=4)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for splits in (1, 2, 5, 0):
+        with kp_core.record_launches() as rec:
+            outs.append(fa(q, k_cache, v_cache, seqlens, block_table=bt, num_splits=splits, return_lse=True))
+        assert rec.backends(OP) == {KERNEL}
+        assert rec.count(OP, kernel="_decode_combine") == (splits != 1)  # auto: 2 programs, 2 splits on CPU
+    for out, lse in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(lse, outs[0][1], atol=2e-6, rtol=1e-5)
+    check("splits", *outs[0], q, k_cache, v_cache, lens, block_table=bt)
+
+
+def test_row_blocks(small_blocks, monkeypatch):
+    """group * Sq rows over several programs (MAX_BLOCK_M 16: 24 rows -> 2 row blocks), with a window."""
+    monkeypatch.setattr(decode, "MAX_BLOCK_M", 16)
+    k_cache, v_cache, bt = make_cache(2, 64, 1, 16, torch.float32, True, seed=30, page=32)
+    q = rand(2, 3, 8, 16, dtype=torch.float32, seed=31)
+    seqlens = torch.tensor([50, 9], dtype=torch.int32, device=DEVICE)
+    for splits in (1, 2):
+        out, lse = fa(q, k_cache, v_cache, seqlens, block_table=bt, window=(12, -1), num_splits=splits, return_lse=True)
+        check(f"row blocks, splits {splits}", out, lse, q, k_cache, v_cache, [50, 9], block_table=bt, window=(12, -1))
+
+
+def test_int_seqlens_and_strided_q(small_blocks):
+    k_cache, v_cache, _ = make_cache(2, 48, 2, 40, torch.float16, False, seed=11)
+    q = rand(2, 4, 3, 40, dtype=torch.float16, seed=12).transpose(1, 2)  # (B, Sq=3, Hq=4, D), strided
+    out, lse = fa(q, k_cache, v_cache, 30, num_splits=2, return_lse=True)
+    check("int seqlens", out, lse, q, k_cache, v_cache, [30, 30])
+
+
+def test_no_visible_key_gives_zero_and_minus_inf(small_blocks):
+    """Empty caches, and causal queries above the first key (L < Sq), see nothing."""
+    k_cache, v_cache, _ = make_cache(2, 32, 1, 16, torch.float32, False, seed=13)
+    q = rand(2, 3, 2, 16, dtype=torch.float32, seed=14)
+    seqlens = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    for splits in (1, 2):
+        out, lse = fa(q, k_cache, v_cache, seqlens, num_splits=splits, return_lse=True)
+        assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+        assert (out[1, :2] == 0).all() and (lse[1, :, :2] == float("-inf")).all()
+        assert lse[1, :, 2].isfinite().all()
+        check("empty", out, lse, q, k_cache, v_cache, [0, 1])
+
+
+# ---- the in-place cache update ----
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_new_kv_written_into_cache(paged, dtype, small_blocks):
+    lens, new = [0, 20, 45], 3
+    k_cache, v_cache, bt = make_cache(3, 48, 2, 24, dtype, paged, seed=15)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q = rand(3, new, 4, 24, dtype=dtype, seed=16)
+    k_new, v_new = rand(3, new, 2, 24, dtype=dtype, seed=17), rand(3, new, 2, 24, dtype=dtype, seed=18)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    with kp_core.record_launches() as rec:
+        out, lse = fa(q, k_cache, v_cache, seqlens, k=k_new, v=v_new, block_table=bt, num_splits=2, return_lse=True)
+    assert rec.backends(OP) == {KERNEL}
+    assert seqlens.tolist() == lens, "cache_seqlens must not change"
+    k_exp, v_exp = k0.clone(), v0.clone()
+    for b, n in enumerate(lens):
+        for t in range(new):
+            p = n + t
+            where = (b, p) if bt is None else (int(bt[b, p // 16]), p % 16)
+            k_exp[where], v_exp[where] = k_new[b, t], v_new[b, t]
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp), "cache not updated exactly in place"
+    check("appended", out, lse, q, k_cache, v_cache, [n + new for n in lens], block_table=bt)
+
+
+# ---- registration: opcheck, compile, backends ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_opcheck(dtype):
+    k_cache, v_cache, _ = make_cache(2, 32, 2, 16, dtype, False, seed=19)
+    q = rand(2, 1, 4, 16, dtype=dtype, seed=20)
+    seqlens = torch.tensor([5, 31], dtype=torch.int32, device=DEVICE)
+    k_new, v_new = rand(2, 1, 2, 16, dtype=dtype, seed=21), rand(2, 1, 2, 16, dtype=dtype, seed=22)
+    pk, pv, bt = make_cache(2, 32, 2, 16, dtype, True, seed=23)
+    with kp_core.record_launches() as rec:
+        torch.library.opcheck(decode.kvcache_op, decode.opcheck_args(q, k_cache, v_cache, seqlens, k=k_new, v=v_new))
+        if dtype == torch.float32:  # the other layouts once (each opcheck runs the op several times)
+            torch.library.opcheck(decode.kvcache_op, decode.opcheck_args(q, k_cache, v_cache, seqlens, num_splits=2))
+            torch.library.opcheck(
+                decode.kvcache_op, decode.opcheck_args(q, pk, pv, seqlens, block_table=bt, softcap=2.0)
+            )
+    assert rec.backends(OP) == {KERNEL}
+
+
+def test_compile_fullgraph_equals_eager():
+    torch._dynamo.reset()
+
+    def step(q, k_cache, v_cache, seqlens, k, v):
+        return fa(q * 1, k_cache, v_cache, seqlens, k=k, v=v, window=(10, -1), return_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        k_cache, v_cache, _ = make_cache(2, 32, 1, 32, torch.float32, False, seed=24)
+        q = rand(2, 2, 4, 32, dtype=torch.float32, seed=25)
+        k_new, v_new = rand(2, 2, 1, 32, dtype=torch.float32, seed=26), rand(2, 2, 1, 32, dtype=torch.float32, seed=27)
+        seqlens = torch.tensor([3, 20], dtype=torch.int32, device=DEVICE)
+        with kp_core.record_launches() as rec:
+            out, lse = fn(q, k_cache, v_cache, seqlens, k_new, v_new)
+        assert rec.backends(OP) == {KERNEL}
+        results.append((out, lse, k_cache, v_cache))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_backend_is_selectable(monkeypatch):
+    k_cache, v_cache, bt = make_cache(2, 32, 2, 24, torch.float32, True, seed=28)
+    q = rand(2, 3, 4, 24, dtype=torch.float32, seed=29)
+    seqlens = torch.tensor([7, 32], dtype=torch.int32, device=DEVICE)
+    kw = dict(block_table=bt, window=(4, -1), softcap=5.0, return_lse=True)
+    monkeypatch.setenv("KP_BACKEND", "reference")
+    with kp_core.record_launches() as rec:
+        out, lse = fa(q, k_cache, v_cache, seqlens, **kw)
+    assert rec.backends(OP) == {kp_core.REFERENCE}
+    check("reference path", out, lse, q, k_cache, v_cache, [7, 32], block_table=bt, window=(4, -1), softcap=5.0)
+
+
+def test_auto_num_splits(monkeypatch):
+    monkeypatch.setattr(decode, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert decode.auto_num_splits(cuda, 8, 10_000) == math.ceil(decode.WAVES * 132 / 8)  # B1 Hkv8: many splits
+    assert decode.auto_num_splits(cuda, 8, 4) == 4  # never more than the key blocks
+    assert decode.auto_num_splits(cuda, 512, 10_000) == 1  # B64 Hkv8 already fills the GPU
+    assert decode.auto_num_splits(torch.device("cpu"), 2, 100) == 2
+
+
+# ---- bad input ----
+
+
+def _t(*shape, dtype=torch.float16, device=None):
+    return torch.zeros(shape, dtype=dtype, device=DEVICE if device is None else device)
+
+
+def _i(*values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+
+Q, KC, SL = _t(2, 1, 4, 8), _t(2, 16, 2, 8), _i(3, 4)
+PK, BT = _t(5, 16, 2, 8), _i([0, 1], [2, 3])
+BAD_INPUTS = [
+    ("q not a tensor", lambda: fa([[1.0]], KC, KC, SL), TypeError, "q"),
+    ("integer q", lambda: fa(_t(2, 1, 4, 8, dtype=torch.int32), KC, KC, SL), TypeError, "q"),
+    ("fp64 q", lambda: fa(_t(2, 1, 4, 8, dtype=torch.float64), KC, KC, SL), TypeError, "q"),
+    ("dtype mix", lambda: fa(Q, _t(2, 16, 2, 8, dtype=torch.float32), KC, SL), TypeError, "k_cache"),
+    ("v_cache dtype", lambda: fa(Q, KC, _t(2, 16, 2, 8, dtype=torch.float32), SL), TypeError, "v_cache"),
+    ("device mix", lambda: fa(Q, _t(2, 16, 2, 8, device="meta"), KC, SL), ValueError, "device"),
+    ("q ndim", lambda: fa(_t(2, 4, 8), KC, KC, SL), ValueError, "q"),
+    ("k_cache ndim", lambda: fa(Q, _t(16, 2, 8), KC, SL), ValueError, "k_cache"),
+    ("batch mismatch", lambda: fa(Q, _t(3, 16, 2, 8), _t(3, 16, 2, 8), SL), ValueError, "batch"),
+    ("head dims differ", lambda: fa(Q, _t(2, 16, 2, 16), _t(2, 16, 2, 16), SL), ValueError, "head dim"),
+    ("v_cache shape", lambda: fa(Q, KC, _t(2, 16, 1, 8), SL), ValueError, "v_cache"),
+    ("kv heads do not divide", lambda: fa(Q, _t(2, 16, 3, 8), _t(2, 16, 3, 8), SL), ValueError, "heads"),
+    ("head dim too large", lambda: fa(_t(1, 1, 1, 512), _t(1, 4, 1, 512), _t(1, 4, 1, 512), 1), ValueError, "head dim"),
+    ("seqlens int64", lambda: fa(Q, KC, KC, _i(3, 4, dtype=torch.int64)), TypeError, "cache_seqlens"),
+    ("seqlens shape", lambda: fa(Q, KC, KC, _i(3)), ValueError, "cache_seqlens"),
+    ("seqlens float", lambda: fa(Q, KC, KC, 2.0), TypeError, "cache_seqlens"),
+    ("seqlens negative", lambda: fa(Q, KC, KC, _i(-1, 4)), ValueError, "cache_seqlens"),
+    ("seqlens past capacity", lambda: fa(Q, KC, KC, _i(3, 17)), ValueError, "cache_seqlens"),
+    ("int seqlens past capacity", lambda: fa(Q, KC, KC, 17), ValueError, "cache_seqlens"),
+    ("new k overflows", lambda: fa(Q, KC, KC, _i(3, 15), k=_t(2, 2, 2, 8), v=_t(2, 2, 2, 8)), ValueError, "exceed"),
+    ("k without v", lambda: fa(Q, KC, KC, SL, k=_t(2, 1, 2, 8)), ValueError, "k and v"),
+    ("new k shape", lambda: fa(Q, KC, KC, SL, k=_t(2, 1, 1, 8), v=_t(2, 1, 1, 8)), ValueError, "k must"),
+    ("new v shape", lambda: fa(Q, KC, KC, SL, k=_t(2, 1, 2, 8), v=_t(2, 2, 2, 8)), ValueError, "v must"),
+    ("new k dtype", lambda: fa(Q, KC, KC, SL, k=_t(2, 1, 2, 8, dtype=torch.float32), v=_t(2, 1, 2, 8)), TypeError, "k"),
+    ("block_table int64", lambda: fa(Q, PK, PK, SL, block_table=BT.long()), TypeError, "block_table"),
+    ("block_table ndim", lambda: fa(Q, PK, PK, SL, block_table=_i(0, 1)), ValueError, "block_table"),
+    ("block_table batch", lambda: fa(Q, PK, PK, SL, block_table=_i([0, 1])), ValueError, "block_table"),
+    ("block_size not x16", lambda: fa(Q, _t(5, 8, 2, 8), _t(5, 8, 2, 8), SL, block_table=BT), ValueError, "block_size"),
+    ("block id out of range", lambda: fa(Q, PK, PK, SL, block_table=_i([0, 1], [5, 3])), ValueError, "block_table"),
+    ("paged past capacity", lambda: fa(Q, PK, PK, _i(3, 33), block_table=BT), ValueError, "cache_seqlens"),
+    ("bad window", lambda: fa(Q, KC, KC, SL, window=(-2, 0)), ValueError, "window"),
+    ("window not a pair", lambda: fa(Q, KC, KC, SL, window=3), TypeError, "window"),
+    ("negative softcap", lambda: fa(Q, KC, KC, SL, softcap=-1.0), ValueError, "softcap"),
+    ("negative num_splits", lambda: fa(Q, KC, KC, SL, num_splits=-1), ValueError, "num_splits"),
+]
+
+
+@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input(what, call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_registered():
+    info = kp_core.registered_kernels()[OP]
+    assert info.package == "kp-attention" and info.spec == "attention"
+    assert set(info.dtypes) == {torch.float16, torch.bfloat16, torch.float32}
