@@ -17,7 +17,7 @@ for step in "$@"; do
   case $step in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
           python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" ;;
-    tests) PYTHONPATH=$SRC:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider packages/kp-core/tests packages/kp-norms/tests ;;
+    tests) PYTHONPATH=$SRC:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider packages/kp-core/tests packages/kp-norms/tests packages/kp-attention/tests ;;
     tune) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_norms.py --tune ;;
     tune-glu) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_glu.py --tune ;;
     bench-*) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_${step#bench-}.py ;;
