@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py            # every case below, writes results/<device>/attention.*
     python benchmarks/bench_attention.py --quick    # S = 4096 only, plus decode
+    python benchmarks/bench_attention.py --tune     # sweep kp's tile settings (bf16, D 128), print the best
 
 TFLOP/s count the useful multiply-adds: forward 4 * B * H * D * (visible query-key pairs), forward+backward
 3.5x that (FlashAttention's convention: backward = 2.5 forward). Decode reports GB/s of K and V read.
@@ -231,11 +232,65 @@ def plot(dense: list[dict], meta: dict, path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def tune() -> None:
+    """Time kp under each tile setting (flash.CONFIG_OVERRIDE / decode.CONFIG_OVERRIDE) on the S = 4096 cases
+    and the B16 L32768 decode; settings that do not compile (shared memory) are skipped."""
+    from kp_attention.ops import decode, flash
+
+    fn = providers()["kp"]
+    key = lambda kernel: (kernel, HEAD_DIM, DTYPE.itemsize)  # noqa: E731
+    sweeps = {
+        "fwd": [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)],
+        "dkdv": [(bm, bn, w, st) for bm in (16, 32, 64) for bn in (64, 128) for w in (4, 8) for st in (2, 3)],
+        "dq": [(bm, bn, w, st) for bm in (64, 128) for bn in (16, 32, 64) for w in (4, 8) for st in (2, 3)],
+    }
+    b, s = TOKENS // 4096, 4096
+    q, k, v = (torch.randn(b, HEADS, s, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(3))
+    for kernel, settings in sweeps.items():
+        for causal in (False, True):
+            flops = 4 * b * HEADS * HEAD_DIM * visible_pairs(s, s, causal, -1) * (1.0 if kernel == "fwd" else 3.5)
+            results = []
+            for cfg in settings:
+                flash.CONFIG_OVERRIDE.clear()
+                flash.CONFIG_OVERRIDE[key(kernel)] = flash.AttnConfig(*cfg)
+                try:
+                    ms = time_ms(fn, q, k, v, causal, -1, "fwd" if kernel == "fwd" else "fwd+bwd")
+                except Exception as e:  # out of shared memory, or a compile failure: reported, skipped
+                    print(f"  {kernel} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                results.append((flops / ms / 1e9, cfg))
+            print(f"tune {kernel} causal={causal}: best TFLOP/s (BLOCK_M, BLOCK_N, warps, stages)")
+            for tflops, cfg in sorted(results, reverse=True)[:4]:
+                print(f"   {tflops:6.0f}  {cfg}")
+    flash.CONFIG_OVERRIDE.clear()
+    q = torch.randn(16, 1, 32, HEAD_DIM, device="cuda", dtype=DTYPE)
+    kc = torch.randn(16, 32768, 8, HEAD_DIM, device="cuda", dtype=DTYPE)
+    vc = torch.randn_like(kc)
+    seqlens = torch.full((16,), 32768, dtype=torch.int32, device="cuda")
+    results = []
+    for cfg in [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]:
+        decode.CONFIG_OVERRIDE[f"d{HEAD_DIM}"] = cfg
+        try:
+            ms = harness.bench_ms(functools.partial(kp_attention.flash_attention_with_kvcache, q, kc, vc, seqlens))
+        except Exception as e:
+            print(f"  decode {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        results.append((2 * kc.numel() * kc.element_size() / ms / 1e6, cfg))
+    decode.CONFIG_OVERRIDE.clear()
+    print("tune decode B16 L32768: best GB/s (BLOCK_N, warps, stages)")
+    for gbps, cfg in sorted(results, reverse=True)[:4]:
+        print(f"   {gbps:6.0f}  {cfg}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tune", action="store_true")
     args = parser.parse_args()
     harness.require_gpu()
+    if args.tune:
+        tune()
+        return
     torch._dynamo.config.cache_size_limit = 64
     dense = run_dense(args.quick)
     decode = run_decode()

@@ -20,6 +20,7 @@ for step in "$@"; do
     tests) PYTHONPATH=$SRC:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider packages/kp-core/tests packages/kp-norms/tests packages/kp-attention/tests ;;
     tune) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_norms.py --tune ;;
     tune-glu) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_glu.py --tune ;;
+    tune-attention) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_attention.py --tune ;;
     bench-*) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_${step#bench-}.py ;;
     conformance-*) KP_TIER=${step#conformance-} python3 -m nox --no-venv -s conformance -- -n 4 ;;
     bench) python3 -m nox --no-venv -s bench ;;
