@@ -96,7 +96,6 @@ def check_correct(m: int, n: int) -> None:
 
 def overhead_us(provider, n: int = 4096, rows: int = 8, iters: int = 200) -> dict:
     """Wall time per call on a tiny input, where only the CPU side (Python, dispatch, launches) counts."""
-    import time
 
     fn, packed = provider
     args = inputs(rows, n, packed, grad=True)
@@ -113,14 +112,7 @@ def overhead_us(provider, n: int = 4096, rows: int = 8, iters: int = 200) -> dic
                     a.grad = None
                 fn(*args).backward(dy)
 
-        for _ in range(20):
-            call()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-        out[mode] = (time.perf_counter() - start) / iters * 1e6
+        out[mode] = harness.wall_us_per_call(call, iters)
     return out
 
 

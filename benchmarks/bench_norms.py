@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 
 import harness
 import torch
@@ -173,14 +172,7 @@ def overhead_us(fn, n: int = 4096, rows: int = 8, iters: int = 200) -> dict:
                 x.grad = r.grad = w.grad = b.grad = None
                 _loss_fn(fn(x, r, w, b), dys)
 
-        for _ in range(20):
-            call()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-        out[mode] = (time.perf_counter() - start) / iters * 1e6
+        out[mode] = harness.wall_us_per_call(call, iters)
     return out
 
 

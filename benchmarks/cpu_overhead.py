@@ -19,14 +19,7 @@ ROWS, N = 8, 4096
 
 
 def per_call_us(label, fn, iters=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    print(f"{label:45s} {(time.perf_counter() - start) / iters * 1e6:8.1f} us", flush=True)
+    print(f"{label:45s} {harness.wall_us_per_call(fn, iters):8.1f} us", flush=True)
 
 
 @triton.jit

@@ -135,3 +135,17 @@ def plot_modes(rows: list[dict], meta: dict, path, title: str, xlabel: str) -> N
     fig.suptitle(meta["device"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def wall_us_per_call(call, iters: int = 200, warmup: int = 20) -> float:
+    """Wall time per call in microseconds, the GPU drained before and after: on a tiny input, the CPU's cost."""
+    import time
+
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
