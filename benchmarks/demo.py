@@ -1,8 +1,10 @@
-"""kp's main job: a small Llama-style model, eager vs patched with kp (RMSNorm and SwiGLU), checked and timed.
+"""kp's main job: a small Llama-style model, eager vs patched with kp (RMSNorm, SwiGLU, attention), checked and
+timed.
 
 The model is Hugging Face's LlamaForCausalLM from a random LlamaConfig when transformers is installed, else a
-hand-written one of the same shape. `kp_norms.patch` swaps its RMSNorms and gated MLPs in place; the patched
-model's logits and every parameter gradient must be within the conformance rule of a float64 copy.
+hand-written one of the same shape. `kp_norms.patch` swaps its RMSNorms and gated MLPs in place, and (with
+transformers) `kp_attention.patch` routes its attention through kp; each patched model's logits and every
+parameter gradient must be within the conformance rule of a float64 copy.
 
 On a GPU it runs bf16 and adds torch.compile variants; on a CPU the kernels run under Triton's interpreter
 (TRITON_INTERPRET=1), so its times say nothing about speed.
@@ -17,6 +19,7 @@ import gc
 import os
 import time
 
+import kp_attention
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,6 +151,15 @@ def check(name, ours, eager, ref64, dtype):
     return err, bound
 
 
+def check_grads(grads, grads_eager, grads64, dtype) -> tuple[float, str]:
+    """Every parameter gradient by the rule; returns the tightest (fraction of its bound, name)."""
+    ratios = []
+    for n in grads64:
+        err, bound = check(f"grad {n}", grads[n], grads_eager[n], grads64[n], dtype)
+        ratios.append((err / bound, n))
+    return max(ratios)
+
+
 def timed(model, models, tokens, iters, device):
     """ms per train step, the step's peak memory above what the models' weights hold, kp launches per step."""
     cuda = device.type == "cuda"
@@ -207,15 +219,21 @@ def main() -> None:
     logits_k, grads_k = step(patched, tokens)
     err, bound = check("logits", logits_k, logits_e, logits64, dtype)
     print(f"logits: max err vs float64 {err:.3e} (bound {bound:.3e}, eager {max_err(logits_e, logits64):.3e})")
-    ratios = []
-    for n in grads64:
-        err, bound = check(f"grad {n}", grads_k[n], grads_e[n], grads64[n], dtype)
-        ratios.append((err / bound, n))
-    worst = max(ratios)
+    worst = check_grads(grads_k, grads_e, grads64, dtype)
     print(f"gradients of all {len(grads64)} parameters within the rule (tightest: {worst[1]}, {worst[0]:.2f} of bound)")
+    variants = {"eager": eager, "kp-patched": patched}
+    if transformers is not None:  # attention too, through transformers' attention registry
+        full = copy.deepcopy(patched)
+        print(f"kp_attention.patch replaced the {kp_attention.patch(full)!r} attention implementation")
+        logits_a, grads_a = step(full, tokens)
+        err, bound = check("logits (kp attention)", logits_a, logits_e, logits64, dtype)
+        print(f"with kp attention: logits max err vs float64 {err:.3e} (bound {bound:.3e})")
+        worst = check_grads(grads_a, grads_e, grads64, dtype)
+        print(f"with kp attention: all gradients within the rule (tightest: {worst[1]}, {worst[0]:.2f} of bound)")
+        variants["kp-patched + kp attention"] = full
+        del logits_a, grads_a
     del ref64, logits64, grads64, logits_e, grads_e, logits_k, grads_k
 
-    variants = {"eager": eager, "kp-patched": patched}
     if gpu:
         variants["torch.compile"] = torch.compile(copy.deepcopy(eager))
         variants["kp-patched + compile"] = torch.compile(patched)
