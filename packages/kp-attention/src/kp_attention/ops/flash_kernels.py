@@ -222,6 +222,25 @@ def _fwd_block(acc, l_i, m_i, q, K_base, V_base, M_base, start_n, offs_m, offs_n
 
 
 @triton.jit
+def _query_program(CU_Q, CU_K, seqlen_q, seqlen_k, group, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
+                   BOTTOM_RIGHT: tl.constexpr):  # fmt: skip
+    """What a (query block, q head, batch) program works on: 64-bit batch / q head / kv head indices, the
+    sequence starts and lengths (from cu_seqlens when packed), the block's first row (blocks run last-first,
+    see _attn_fwd) and the mask diagonal."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seqlen_q = _seq_bounds(CU_Q, b, seqlen_q, VARLEN)
+    k_start, seqlen_k = _seq_bounds(CU_K, b, seqlen_k, VARLEN)
+    if BOTTOM_RIGHT:
+        diag = seqlen_k - seqlen_q
+    else:
+        diag = seqlen_k * 0
+    b64 = b.to(tl.int64)
+    return b64, h.to(tl.int64), (h // group).to(tl.int64), q_start, k_start, seqlen_q, seqlen_k, pid_m * BLOCK_M, diag
+
+
+@triton.jit
 def _fwd_loops(acc, l_i, m_i, q, K_base, V_base, M_base, lo, mid_lo, mid_hi, hi, offs_m, offs_n, offs_d, sks, skd,
                svs, svd, smq, smk, seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale, sc_in, sc_out,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -259,22 +278,12 @@ def _attn_fwd(
 ):  # fmt: skip
     """Grid (query blocks, q heads, batch). Query blocks run last-first: under a causal mask the longest
     rows (most key blocks) start first, which balances the tail."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, seqlen_q = _seq_bounds(CU_Q, b, seqlen_q, VARLEN)
-    k_start, seqlen_k = _seq_bounds(CU_K, b, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
+    b64, h64, kvh64, q_start, k_start, seqlen_q, seqlen_k, m0, diag = _query_program(
+        CU_Q, CU_K, seqlen_q, seqlen_k, group, BLOCK_M, VARLEN, BOTTOM_RIGHT
+    )
     if VARLEN:
         if m0 >= seqlen_q:
             return
-    if BOTTOM_RIGHT:
-        diag = seqlen_k - seqlen_q
-    else:
-        diag = seqlen_k * 0
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    kvh64 = (h // group).to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -483,22 +492,12 @@ def _attn_bwd_dq(
     SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Grid (query blocks, q heads, batch), longest rows first as in the forward."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, seqlen_q = _seq_bounds(CU_Q, b, seqlen_q, VARLEN)
-    k_start, seqlen_k = _seq_bounds(CU_K, b, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
+    b64, h64, kvh64, q_start, k_start, seqlen_q, seqlen_k, m0, diag = _query_program(
+        CU_Q, CU_K, seqlen_q, seqlen_k, group, BLOCK_M, VARLEN, BOTTOM_RIGHT
+    )
     if VARLEN:
         if m0 >= seqlen_q:
             return
-    if BOTTOM_RIGHT:
-        diag = seqlen_k - seqlen_q
-    else:
-        diag = seqlen_k * 0
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    kvh64 = (h // group).to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
