@@ -175,7 +175,7 @@ def main() -> None:
         "cpu_overhead_us_8x4096": overhead,
         **harness.versions(),
     }
-    md = harness.render(_header(meta), meta, rows)
+    md = harness.render(harness.header("SwiGLU", meta, "; bytes: fwd 3*M*N*2, fwd+bwd 8*M*N*2"), meta, rows)
     out = harness.write_results(
         "glu",
         meta,
@@ -187,16 +187,6 @@ def main() -> None:
     )
     print(md)
     print(f"wrote {out}")
-
-
-def _header(meta: dict) -> list[str]:
-    return [
-        f"# SwiGLU, bf16, {meta['device']}",
-        "",
-        f"torch {meta['torch']}, triton {meta['triton']}, liger-kernel {meta['liger_kernel']}; "
-        f"measured copy bandwidth {meta['copy_gbps']:.0f} GB/s. Cells: GB/s (% of copy); "
-        "bytes: fwd 3*M*N*2, fwd+bwd 8*M*N*2.",
-    ]
 
 
 if __name__ == "__main__":

@@ -218,7 +218,7 @@ def run_kernel(kind: str, sweep: bool, copy: float) -> None:
     overhead = {name: overhead_us(fn) for name, fn in providers(kind, 4096).items()}
     meta = {"kernel": kind, "dtype": "bfloat16", "copy_gbps": copy, "cpu_overhead_us_8x4096": overhead}
     meta.update(harness.versions())
-    md = harness.render(_header(meta), meta, rows)
+    md = harness.render(harness.header(meta["kernel"], meta), meta, rows)
     slug = kind.replace("+", "_")
     out = harness.write_results(
         slug,
@@ -231,15 +231,6 @@ def run_kernel(kind: str, sweep: bool, copy: float) -> None:
     )
     print(md)
     print(f"wrote {out}/{slug}.*")
-
-
-def _header(meta: dict) -> list[str]:
-    return [
-        f"# {meta['kernel']}, bf16, {meta['device']}",
-        "",
-        f"torch {meta['torch']}, triton {meta['triton']}, liger-kernel {meta['liger_kernel']}; "
-        f"measured copy bandwidth {meta['copy_gbps']:.0f} GB/s. Cells: GB/s (% of copy).",
-    ]
 
 
 def main() -> None:

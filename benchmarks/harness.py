@@ -90,6 +90,16 @@ TIMING_TITLES = {
 }
 
 
+def header(title: str, meta: dict, note: str = "") -> list[str]:
+    """The results markdown's first lines: what was measured, on what software, against which copy ceiling."""
+    return [
+        f"# {title}, bf16, {meta['device']}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}, liger-kernel {meta['liger_kernel']}; "
+        f"measured copy bandwidth {meta['copy_gbps']:.0f} GB/s. Cells: GB/s (% of copy){note}.",
+    ]
+
+
 def render(header: list[str], meta: dict, rows: list[dict]) -> str:
     """The results markdown: one table per timing method, then the CPU cost per call. Providers whose name
     contains "kp" (kp's own variants and composites) are not anchors in the kp / best anchor column."""

@@ -269,6 +269,19 @@ def check_variant(v: Variant, name, dtype, c: Case, with_grads: bool):
             kc.check_close(f"{name} {label}", a, r64, lo, lo.dtype)
 
 
+def check_drawn_cases(name, dtype, with_grads: bool):
+    """check_variant on the tier's Hypothesis draws (as many as EXAMPLES gives this variant)."""
+    kc.skip_if_not_covered(dtype)
+
+    @settings(max_examples=EXAMPLES[name])
+    @given(**case)
+    def run(shape, layout, affine, eps, scale, seed):
+        c = make_case(VARIANTS[name], shape[0], dtype, layout, affine, eps, scale, seed)
+        check_variant(VARIANTS[name], name, dtype, c, with_grads=with_grads)
+
+    run()
+
+
 def cells(prop, names=NAMES):
     """One parameter per variant, each marked as its own matrix row."""
     return [pytest.param(n, marks=pytest.mark.conformance(kernel=n, prop=prop), id=n) for n in names]
@@ -277,29 +290,13 @@ def cells(prop, names=NAMES):
 @pytest.mark.parametrize("name", cells("values"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_values(name, dtype):
-    kc.skip_if_not_covered(dtype)
-
-    @settings(max_examples=EXAMPLES[name])
-    @given(**case)
-    def run(shape, layout, affine, eps, scale, seed):
-        c = make_case(VARIANTS[name], shape[0], dtype, layout, affine, eps, scale, seed)
-        check_variant(VARIANTS[name], name, dtype, c, with_grads=False)
-
-    run()
+    check_drawn_cases(name, dtype, with_grads=False)
 
 
 @pytest.mark.parametrize("name", cells("gradients"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_gradients(name, dtype):
-    kc.skip_if_not_covered(dtype)
-
-    @settings(max_examples=EXAMPLES[name])
-    @given(**case)
-    def run(shape, layout, affine, eps, scale, seed):
-        c = make_case(VARIANTS[name], shape[0], dtype, layout, affine, eps, scale, seed)
-        check_variant(VARIANTS[name], name, dtype, c, with_grads=True)
-
-    run()
+    check_drawn_cases(name, dtype, with_grads=True)
 
 
 FIXED_SHAPES = [(7, 33), (3, 5, 257), (2, 16385)]
