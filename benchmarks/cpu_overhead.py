@@ -1,25 +1,196 @@
-"""CPU cost of one kp norm call on a tiny input, taken apart: launchers alone, on which thread, vs PyTorch.
+"""Eager cost: CPU microseconds per call beside torch's own op, and plain-launch throughput, in one run (GPU).
 
-    python benchmarks/cpu_overhead.py     (GPU only; prints microseconds per call)
+    python benchmarks/cpu_overhead.py            # writes results/<device>/cpu_overhead.{json,md,png}
 
-At 8 x 4096 the kernels take a few microseconds, so wall time per call is the CPU's: Python, dispatch,
-allocations, Triton's launcher and autograd. Used to find where kp's plain-launch fwd+bwd time goes.
+Part 1, CPU cost per call. On tiny inputs the GPU work takes a few microseconds, so the wall time of a call
+(GPU drained before and after a loop of calls) is what the CPU spends: Python, checks, allocation, autograd,
+Triton's launcher. Each op is timed beside torch's own: norms and SwiGLU on 8 x 4096, attention on
+B1 S128 H8 D64 (causal), decode on B1 L1024 Hq32 Hkv8 D128 (q length 1); bf16. Columns: forward under
+no_grad (inference), forward in grad mode, forward + backward. Providers alternate over several rounds and
+the median round is reported, so drift on a shared machine hits every provider alike.
+
+Part 2, plain launches: do_bench (no CUDA graph) forward + backward GB/s at 16384 x 4096 and 8192 x 8192 for
+rms_norm, layer_norm and add_rms_norm, kp vs F, with graph replay beside it (the kernels' own speed). Bytes:
+norm fwd+bwd 5*M*N*2, add + norm fwd+bwd 8*M*N*2 (benchmarks/bench_norms.py's conventions).
+
+Part 3, where kp's microseconds go: the pieces a call is made of, each timed alone.
 """
 
-import time
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
 
 import harness
+import kp_attention
 import torch
+import torch.nn.functional as F
 import triton
 
 import kp_norms
-from kp_norms.ops import norm as norm_mod
 
+DTYPE = torch.bfloat16
 ROWS, N = 8, 4096
+ROUNDS = 5
 
 
-def per_call_us(label, fn, iters=300):
-    print(f"{label:45s} {harness.wall_us_per_call(fn, iters):8.1f} us", flush=True)
+def _t(*shape, grad=False, dtype=DTYPE):
+    return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=grad)
+
+
+# ---- part 1: CPU cost per call ----
+
+
+def norm_cases():
+    """op -> {provider: (fn(inputs) -> output(s), inputs factory)}."""
+    s = (N,)
+
+    def inputs():
+        return dict(x=_t(ROWS, N, grad=True), r=_t(ROWS, N, grad=True), w=_t(N, grad=True), b=_t(N, grad=True))
+
+    return {
+        "rms_norm": {
+            "kp": lambda i: kp_norms.rms_norm(i["x"], s, i["w"], 1e-6),
+            "torch": lambda i: F.rms_norm(i["x"], s, i["w"], 1e-6),
+        },
+        "layer_norm": {
+            "kp": lambda i: kp_norms.layer_norm(i["x"], s, i["w"], i["b"], 1e-6),
+            "torch": lambda i: F.layer_norm(i["x"], s, i["w"], i["b"], 1e-6),
+        },
+        "add_rms_norm": {
+            "kp": lambda i: kp_norms.add_rms_norm(i["x"], i["r"], i["w"], 1e-6),
+            "torch": lambda i: (F.rms_norm(h := i["x"] + i["r"], s, i["w"], 1e-6), h),
+        },
+        "swiglu": {
+            "kp": lambda i: kp_norms.swiglu(i["x"], i["r"]),
+            "torch": lambda i: F.silu(i["x"]) * i["r"],
+        },
+    }, inputs
+
+
+def attention_cases():
+    def inputs():
+        q, k, v = (_t(1, 128, 8, 64, grad=True) for _ in range(3))
+        return dict(q=q, k=k, v=v, qt=q.detach().transpose(1, 2).contiguous().requires_grad_(),
+                    kt=k.detach().transpose(1, 2).contiguous().requires_grad_(),
+                    vt=v.detach().transpose(1, 2).contiguous().requires_grad_())  # fmt: skip
+
+    return {
+        "attention": {
+            "kp": lambda i: kp_attention.flash_attention(i["q"], i["k"], i["v"], causal=True),
+            "torch": lambda i: F.scaled_dot_product_attention(i["qt"], i["kt"], i["vt"], is_causal=True),
+        }
+    }, inputs
+
+
+def decode_cases():
+    length, cap = 1024, 2048
+
+    def inputs():
+        k_cache, v_cache = _t(1, cap, 8, 128), _t(1, cap, 8, 128)
+        return dict(
+            q=_t(1, 1, 32, 128),
+            k_cache=k_cache,
+            v_cache=v_cache,
+            seqlens=torch.full((1,), length, dtype=torch.int32, device="cuda"),
+            qt=_t(1, 32, 1, 128),
+            kt=k_cache[:, :length].transpose(1, 2).contiguous(),
+            vt=v_cache[:, :length].transpose(1, 2).contiguous(),
+        )
+
+    return {
+        "decode": {
+            "kp": lambda i: kp_attention.flash_attention_with_kvcache(i["q"], i["k_cache"], i["v_cache"], i["seqlens"]),
+            "torch": lambda i: F.scaled_dot_product_attention(i["qt"], i["kt"], i["vt"], enable_gqa=True),
+        }
+    }, inputs
+
+
+def _backward(out):
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
+def _calls(fn, inputs, trainable: bool) -> dict:
+    """mode -> a no-argument call of fn on fixed inputs."""
+    grads = [t for t in inputs.values() if t.requires_grad]
+    ones = {}
+
+    def fwd_bwd():
+        for t in grads:
+            t.grad = None
+        out = fn(inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        if "g" not in ones:  # one cotangent per output, made once
+            ones["g"] = [torch.ones_like(o) for o in outs]
+        torch.autograd.backward(outs, ones["g"])
+
+    def fwd_no_grad():
+        with torch.no_grad():
+            fn(inputs)
+
+    calls = {"fwd": fwd_no_grad}
+    if trainable:
+        calls["fwd (grad mode)"] = lambda: fn(inputs)
+        calls["fwd+bwd"] = fwd_bwd
+    return calls
+
+
+def cpu_cost(iters: int) -> list[dict]:
+    rows = []
+    for cases, make, trainable in (
+        (*norm_cases(), True),
+        (*attention_cases(), True),
+        (*decode_cases(), False),
+    ):
+        for op, provs in cases.items():
+            calls = {name: _calls(fn, make(), trainable) for name, fn in provs.items()}
+            for mode in next(iter(calls.values())):
+                samples = {name: [] for name in calls}
+                for _ in range(ROUNDS):
+                    for name in calls:
+                        samples[name].append(harness.wall_us_per_call(calls[name][mode], iters))
+                us = {name: statistics.median(v) for name, v in samples.items()}
+                rows.append(dict(op=op, mode=mode, **{f"us_{k}": v for k, v in us.items()}, ratio=us["kp"] / us["torch"]))
+                print(f"{op:12s} {mode:16s} kp {us['kp']:7.1f} us   torch {us['torch']:7.1f} us   "
+                      f"ratio {us['kp'] / us['torch']:.2f}", flush=True)  # fmt: skip
+    return rows
+
+
+# ---- part 2: plain-launch throughput ----
+
+SHAPES = [(16384, 4096), (8192, 8192)]
+
+
+def plain_launch(copy: float) -> list[dict]:
+    rows = []
+    for op, (m, n) in [(op, s) for op in ("rms_norm", "layer_norm", "add_rms_norm") for s in SHAPES]:
+        cases, _ = norm_cases()
+        x, r, w, b = _t(m, n, grad=True), _t(m, n, grad=True), _t(n, grad=True), _t(n, grad=True)
+        inputs = dict(x=x, r=r, w=w, b=b)
+        factor = 8 if op.startswith("add") else 5
+        for name, fn in cases[op].items():
+            out = fn(inputs)
+            outs = out if isinstance(out, tuple) else (out,)
+            dys = [torch.randn_like(o) for o in outs]
+
+            def step(fn=fn, dys=dys):
+                o = fn(inputs)
+                torch.autograd.backward(o if isinstance(o, tuple) else (o,), dys)
+
+            row = dict(op=op, M=m, N=n, provider=name)
+            for timing, bench in (("plain", harness.bench_ms), ("graph", harness.bench_graph_ms)):
+                ms = bench(step, grad_to_none=[x, r, w, b])
+                gbps = factor * m * n * DTYPE.itemsize / ms / 1e6
+                row.update({f"gbps_{timing}": gbps, f"pct_copy_{timing}": 100 * gbps / copy})
+            rows.append(row)
+            print(f"{op:12s} {m}x{n} {name:6s} plain {row['gbps_plain']:6.0f} GB/s   graph {row['gbps_graph']:6.0f}",
+                  flush=True)  # fmt: skip
+    return rows
+
+
+# ---- part 3: where the microseconds go ----
 
 
 @triton.jit
@@ -37,49 +208,107 @@ class _Identity(torch.autograd.Function):
         return g
 
 
-def main():
-    harness.require_gpu()
-    x, w, b = (
-        torch.randn(*s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in ((ROWS, N), (N,), (N,))
-    )
-    dy = torch.randn(ROWS, N, device="cuda", dtype=torch.bfloat16)
-    v = norm_mod.Variant(rms=False)
-    xd, wd, bd = x.detach(), w.detach(), b.detach()
-    _, _, mean, rstd = norm_mod.forward_impl(xd, None, wd, bd, 1e-6, v)
+def pieces(iters: int) -> dict[str, float]:
+    x = _t(ROWS, N, grad=True)
+    dy = torch.ones(ROWS, N, device="cuda", dtype=DTYPE)
 
     def fwd_bwd(fn):
         def step():
-            x.grad = w.grad = b.grad = None
+            x.grad = None
             fn().backward(dy)
 
         return step
 
-    per_call_us("triton launch, empty kernel", lambda: _empty_kernel[(1,)](dy, 1))
-    per_call_us("x * 1 fwd+bwd (builtin)", fwd_bwd(lambda: x * 1))
-    per_call_us("autograd.Function identity fwd+bwd", fwd_bwd(lambda: _Identity.apply(x)))
-    per_call_us("kp forward_impl (launcher alone)", lambda: norm_mod.forward_impl(xd, None, wd, bd, 1e-6, v))
-    per_call_us(
-        "kp backward_impl (launcher alone)", lambda: norm_mod.backward_impl(dy, None, xd, wd, bd, mean, rstd, 1e-6, v)
+    parts = {
+        "torch.empty (8 x 4096 bf16)": lambda: torch.empty((ROWS, N), device="cuda", dtype=DTYPE),
+        "Triton JIT launch, empty kernel (2 args)": lambda: _empty_kernel[(1,)](dy, 1),
+        "x * 1 fwd+bwd (builtin op, autograd)": fwd_bwd(lambda: x * 1),
+        "autograd.Function identity fwd+bwd": fwd_bwd(lambda: _Identity.apply(x)),
+    }
+    try:  # the kp-side pieces, where this version of the code exposes them
+        import kp_core
+
+        parts.update(kp_core.overhead_pieces())
+    except (ImportError, AttributeError):
+        pass
+    out = {}
+    for name, fn in parts.items():
+        out[name] = statistics.median(harness.wall_us_per_call(fn, iters) for _ in range(3))
+        print(f"{name:60s} {out[name]:7.1f} us", flush=True)
+    return out
+
+
+# ---- output ----
+
+
+def render(meta: dict, cost: list[dict], plain: list[dict], parts: dict) -> str:
+    lines = [
+        f"# Eager cost: kp vs torch, bf16, {meta['device']}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}; measured copy bandwidth {meta['copy_gbps']:.0f} GB/s.",
+        "",
+        "## CPU cost per call (µs, median of rounds)",
+        "",
+        "norms and swiglu 8 x 4096; attention B1 S128 H8 D64 causal; decode B1 L1024 Hq32 Hkv8 D128, q length 1.",
+        "",
+        "| op | mode | kp | torch | kp / torch |",
+        "|---|---|---|---|---|",
+    ]
+    for r in cost:
+        lines.append(f"| {r['op']} | {r['mode']} | {r['us_kp']:.1f} | {r['us_torch']:.1f} | {r['ratio']:.2f} |")
+    lines += [
+        "",
+        "## Plain launches: forward + backward GB/s (% of copy)",
+        "",
+        "| op | M x N | provider | do_bench (plain) | CUDA graph replay |",
+        "|---|---|---|---|---|",
+    ]
+    for r in plain:
+        lines.append(
+            f"| {r['op']} | {r['M']} x {r['N']} | {r['provider']} | {r['gbps_plain']:.0f} ({r['pct_copy_plain']:.0f}%) "
+            f"| {r['gbps_graph']:.0f} ({r['pct_copy_graph']:.0f}%) |"
+        )
+    lines += ["", "## Where the microseconds go", "", "| piece | µs |", "|---|---|"]
+    lines += [f"| {name} | {us:.1f} |" for name, us in parts.items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(cost: list[dict], meta: dict, path) -> None:
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['op']}\n{r['mode']}" for r in cost]
+    xs = range(len(cost))
+    fig, ax = plt.subplots(figsize=(max(8, len(cost) * 0.7), 4.5))
+    ax.bar([x - 0.2 for x in xs], [r["us_kp"] for r in cost], 0.4, label="kp")
+    ax.bar([x + 0.2 for x in xs], [r["us_torch"] for r in cost], 0.4, label="torch")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("CPU µs per call")
+    ax.set_title(f"Eager cost per call, bf16, {meta['device']}")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--tag", default="", help="suffix for the result files (e.g. -before)")
+    parser.add_argument("--skip-plain", action="store_true")
+    args = parser.parse_args()
+    harness.require_gpu()
+    copy = harness.copy_bandwidth_gbps()
+    cost = cpu_cost(args.iters)
+    plain = [] if args.skip_plain else plain_launch(copy)
+    parts = pieces(args.iters)
+    meta = {"copy_gbps": copy, "iters": args.iters, "rounds": ROUNDS, **harness.versions()}
+    md = render(meta, cost, plain, parts)
+    name = f"cpu_overhead{args.tag}"
+    out = harness.write_results(name, meta, cost + plain, md, lambda p: plot(cost, meta, p))
+    (out / f"{name}.json").write_text(
+        json.dumps({**meta, "cpu_cost": cost, "plain_launch": plain, "pieces_us": parts}, indent=1) + "\n"
     )
-    per_call_us("F.layer_norm fwd+bwd", fwd_bwd(lambda: torch.nn.functional.layer_norm(x, (N,), w, b, 1e-6)))
-    per_call_us("kp layer_norm fwd (grad mode)", lambda: kp_norms.layer_norm(x, (N,), w, b, 1e-6))
-    per_call_us("kp layer_norm fwd+bwd", fwd_bwd(lambda: kp_norms.layer_norm(x, (N,), w, b, 1e-6)))
-
-    # The same backward launcher, timed where autograd runs it (its device thread).
-    original, times = norm_mod.backward_impl, []
-
-    def timed(*args):
-        start = time.perf_counter()
-        out = original(*args)
-        times.append(time.perf_counter() - start)
-        return out
-
-    norm_mod.backward_impl = timed
-    try:
-        per_call_us("kp layer_norm fwd+bwd (timing backward_impl)", fwd_bwd(lambda: kp_norms.layer_norm(x, (N,), w, b)))
-    finally:
-        norm_mod.backward_impl = original
-    print(f"{'backward_impl on the autograd thread (median)':45s} {sorted(times)[len(times) // 2] * 1e6:8.1f} us")
+    print(md)
 
 
 if __name__ == "__main__":

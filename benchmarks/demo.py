@@ -186,9 +186,26 @@ def timed(model, models, tokens, iters, device):
     return ms, peak, rec.count() // iters
 
 
+def profile(name, model, tokens, folder) -> None:
+    """One profiled train step: the ops that cost the most GPU time, and the CPU time around them."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(model, tokens)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder) / "demo-profiles.txt", "a") as f:
+        f.write(f"\n==== {name}\n{table}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--profile", default=None, help="folder: write each variant's torch.profiler table there")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
@@ -241,6 +258,8 @@ def main() -> None:
     for name, model in variants.items():
         ms, peak, launches = timed(model, list(variants.values()), tokens, iters, device)
         rows.append((name, ms, peak, batch * seq / ms * 1e3, launches))
+        if args.profile:
+            profile(name, model, tokens, args.profile)
     print()
     print(f"{device.type}, {dtype}, batch {batch}, seq {seq}, {iters} timed steps (forward + backward)")
     print("| variant | ms / train step | peak step memory MiB | tokens/s | kp kernels / step |")

@@ -1,47 +1,117 @@
+"""kp_core.op: one declaration gives a custom op (opcheck, compile), its backward op, autograd and the registry."""
+
+from typing import Optional
+
+import pytest
 import torch
 
 import kp_core
 
-
-def _fake(x, factor):
-    return torch.empty_like(x)
+OP = "kp_core_test::axpy"
 
 
-def _setup(ctx, inputs, output):
-    ctx.factor = inputs[1]
+def _forward(x: torch.Tensor, y: Optional[torch.Tensor], a: float, stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a * x + y, x * x): a differentiable output and a statistic."""
+    kp_core.note_launch(OP, "torch", kp_core.REFERENCE)
+    out = a * x if y is None else a * x + y
+    return out, x * x
 
 
-def _backward(ctx, grad):
-    return _scale(grad, ctx.factor), None
+def _backward(dout: Optional[torch.Tensor], x: torch.Tensor, a: float, stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    kp_core.note_launch(f"{OP}_backward", "torch", kp_core.REFERENCE)
+    if dout is None:
+        dout = torch.zeros_like(x)
+    return a * dout, dout.clone()
 
 
-@kp_core.custom_op(
-    "kp_core_test::scale",
-    package="kp-core-tests",
-    spec="scale",
-    dtypes=(torch.float32,),
-    fake=_fake,
+AXPY = kp_core.op(
+    OP,
+    _forward,
+    lambda x, y, a, stats: (torch.empty_like(x), torch.empty_like(x)),
     backward=_backward,
-    setup_context=_setup,
+    backward_fake=lambda dout, x, a, stats: (torch.empty_like(x), torch.empty_like(x)),
+    save=lambda args, outputs: (args[0],),
+    grad_inputs=("x", "y"),
+    differentiable_outputs=1,
+    package="kp-core-tests",
+    spec="axpy",
+    dtypes=(torch.float32,),
 )
-def _scale(x: torch.Tensor, factor: float) -> torch.Tensor:
-    kp_core.note_launch("kp_core_test::scale", "torch", kp_core.REFERENCE)
-    return x * factor
 
 
-def test_custom_op_registers_runs_and_differentiates():
-    info = kp_core.registered_kernels()["kp_core_test::scale"]
-    assert info.package == "kp-core-tests" and info.spec == "scale" and info.dtypes == (torch.float32,)
+def test_declaration_registers_both_ops():
+    reg = kp_core.registered_kernels()
+    for name in (OP, f"{OP}_backward"):
+        info = reg[name]
+        assert info.package == "kp-core-tests" and info.spec == "axpy" and info.dtypes == (torch.float32,)
+    assert reg[OP].op is AXPY.op and reg[f"{OP}_backward"].op is AXPY.backward_op
+
+
+@pytest.mark.parametrize("with_y", [True, False])
+def test_eager_autograd_matches_the_formula_and_skips_absent_inputs(with_y):
     x = torch.randn(5, requires_grad=True)
+    y = torch.randn(5, requires_grad=True) if with_y else None
     with kp_core.record_launches() as rec:
-        _scale(x, 3.0).sum().backward()
-    assert rec.count(op="kp_core_test::scale") == 2  # forward and backward
+        out, sq = AXPY(x, y, 3.0, True)
+        out.sum().backward()
+    assert not sq.requires_grad  # a statistic: marked non-differentiable
+    assert rec.count(op=OP) == 1 and rec.count(op=f"{OP}_backward") == 1
     assert torch.equal(x.grad, torch.full((5,), 3.0))
+    if with_y:
+        assert torch.equal(y.grad, torch.ones(5))
 
 
-def test_custom_op_passes_opcheck_and_compiles():
+def test_no_grad_calls_the_launcher_alone():
+    x = torch.randn(5)
+    with kp_core.record_launches() as rec:
+        out, _ = AXPY(x, None, 2.0, False)
+    assert torch.equal(out, 2 * x) and rec.count() == 1 and not out.requires_grad
+
+
+def test_only_needed_gradients_are_returned():
+    x = torch.randn(5, requires_grad=True)
+    y = torch.randn(5)  # needs no gradient
+    AXPY(x, y, 2.0, True)[0].sum().backward()
+    assert y.grad is None and torch.equal(x.grad, torch.full((5,), 2.0))
+
+
+def test_custom_op_passes_opcheck_and_compiles_without_graph_breaks():
     x = torch.randn(4, 3, requires_grad=True)
-    torch.library.opcheck(_scale, (x, 2.0))
-    torch.library.opcheck(_scale, (x.t(), 2.0))
-    compiled = torch.compile(lambda t: _scale(t, 2.0) + 1, fullgraph=True)
-    assert torch.equal(compiled(x), x * 2 + 1)
+    y = torch.randn(4, 3, requires_grad=True)
+    torch.library.opcheck(AXPY.op, (x, y, 2.0, True))
+    torch.library.opcheck(AXPY.op, (x.t(), None, 2.0, True))
+    compiled = torch.compile(lambda t, u: AXPY(t, u, 2.0, True)[0] + 1, fullgraph=True)
+    out = compiled(x, y)
+    out.sum().backward()
+    assert torch.equal(out, 2 * x + y + 1) and torch.equal(x.grad, torch.full((4, 3), 2.0))
+
+
+def test_a_declaration_names_only_real_arguments():
+    with pytest.raises(TypeError, match="not arguments"):
+        kp_core.op(
+            "kp_core_test::bad",
+            _forward,
+            lambda x, y, a, stats: (x, x),
+            backward=_backward,
+            backward_fake=lambda *a: a,
+            save=lambda args, outputs: (),
+            grad_inputs=("z",),
+            package="p",
+            spec="s",
+            dtypes=(torch.float32,),
+        )
+    with pytest.raises(TypeError, match="declared together"):
+        kp_core.op("kp_core_test::bad2", _forward, lambda *a: a, backward=_backward, package="p", spec="s", dtypes=())
+
+
+def test_mutating_op_bumps_the_version_counter_in_eager_mode():
+    def fill_(t: torch.Tensor, value: float) -> None:
+        t.data.fill_(value)  # a write autograd does not see, as a Triton kernel's
+
+    fill = kp_core.op(
+        "kp_core_test::fill_", fill_, lambda t, value: None, mutates_args=("t",), package="p", spec="s", dtypes=()
+    )
+    t = torch.zeros(3)
+    before = t._version
+    fill(t, 2.0)
+    assert t._version > before and torch.equal(t, torch.full((3,), 2.0))

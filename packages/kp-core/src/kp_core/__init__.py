@@ -1,4 +1,4 @@
-"""kp-core: backend choice, launch records, input checks, launch settings and op registration."""
+"""kp-core: backend choice, input checks, launch settings, kernel launches and records, op declaration."""
 
 from kp_core.backend import (
     INTERPRET,
@@ -17,27 +17,37 @@ from kp_core.checks import (
     check_shape,
     check_tensor,
 )
+from kp_core.constants import GELU_TANH_CUBIC, INV_SQRT_2PI, LN2, LOG2E, SQRT1_2, SQRT_2_OVER_PI
 from kp_core.launch_config import (
     MAX_FUSED_COLS,
     RowConfig,
     next_power_of_2,
     persistent_programs,
     row_config,
+    sm_count,
 )
-from kp_core.launches import Launch, LaunchRecord, note_launch, record_launches
-from kp_core.library import KernelInfo, custom_op, registered_kernels
+from kp_core.launches import Launch, LaunchRecord, launch, note_launch, record_launches, reference
+from kp_core.library import KernelInfo, Op, op, registered_kernels
+from kp_core.tuning import pin, pinned, settings, unpin
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "FLOAT_DTYPES",
+    "GELU_TANH_CUBIC",
     "INTERPRET",
+    "INV_SQRT_2PI",
+    "LN2",
+    "LOG2E",
     "MAX_FUSED_COLS",
     "REFERENCE",
+    "SQRT1_2",
+    "SQRT_2_OVER_PI",
     "TRITON",
     "KernelInfo",
     "Launch",
     "LaunchRecord",
+    "Op",
     "RowConfig",
     "check_index_fits",
     "check_same_device",
@@ -45,14 +55,21 @@ __all__ = [
     "check_shape",
     "check_tensor",
     "choose_backend",
-    "custom_op",
     "forced_backend",
     "has_triton",
     "interpreter_enabled",
+    "launch",
     "next_power_of_2",
     "note_launch",
+    "op",
     "persistent_programs",
+    "pin",
+    "pinned",
     "record_launches",
+    "reference",
     "registered_kernels",
     "row_config",
+    "settings",
+    "sm_count",
+    "unpin",
 ]

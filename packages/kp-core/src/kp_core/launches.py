@@ -1,11 +1,26 @@
-"""A record of kernel launches: the proof that a kernel (not the reference) produced a result."""
+"""Kernel launches: the one place kp starts a Triton kernel, and the record that proves a kernel ran.
+
+`launch` calls the compiled kernel directly once Triton's JIT has compiled it for a specialisation: Triton's
+own dispatcher re-derives the specialisation, builds a cache key and checks globals on every call (about
+15 us plus 1 us an argument on an H100 host), which is most of a small op's CPU time. The key kp keeps is at
+least as fine as Triton's: per tensor its dtype and 16-byte alignment, per int its range class, whether it is
+1 and whether it divides by 16 (what Triton 3.2 to 3.9 specialise on), plus the constexprs and launch options.
+Under the interpreter, with a launch hook installed (profilers), or on a device that is not the current one,
+the call goes through Triton's JIT as usual.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import torch
+
+from kp_core.backend import INTERPRET, REFERENCE
 
 
 @dataclass(frozen=True)
@@ -31,6 +46,9 @@ class LaunchRecord:
     def backends(self, op: str | None = None) -> set[str]:
         return {launch.backend for launch in self.launches if op is None or launch.op == op}
 
+    def kernels(self, op: str | None = None) -> set[str]:
+        return {launch.kernel for launch in self.launches if op is None or launch.op == op}
+
 
 # Process-wide, not per thread: on CUDA, autograd runs backward on its own device thread.
 _records: list[LaunchRecord] = []
@@ -38,7 +56,7 @@ _lock = threading.Lock()
 
 
 def note_launch(op: str, kernel: str, backend: str) -> None:
-    """Called by every launcher (and every reference path, with backend="reference")."""
+    """Called for every launch (and every reference path, with backend="reference")."""
     if _records:
         launch = Launch(op, kernel, backend)
         with _lock:
@@ -56,3 +74,130 @@ def record_launches() -> Iterator[LaunchRecord]:
     finally:
         with _lock:
             _records.remove(record)
+
+
+def reference(op: str) -> None:
+    """Note that `op` ran its PyTorch reference path (no kernel)."""
+    note_launch(op, "reference", REFERENCE)
+
+
+# ---- launching ----
+
+_I32 = range(-(2**31), 2**31)
+# (kernel, device, options, constexprs, argument specialisation) -> (run, function, packed metadata)
+_COMPILED: dict[tuple, tuple] = {}
+_FAST = os.environ.get("KP_FAST_LAUNCH", "1") != "0"
+
+
+def _spec(args: tuple) -> tuple:
+    """What Triton specialises a compiled kernel on, per argument (see the module docstring)."""
+    return tuple(
+        (a.dtype, a.data_ptr() & 15 == 0)
+        if isinstance(a, torch.Tensor)
+        else (a.__class__, a)
+        if a.__class__ is bool or a is None
+        else (a in _I32, a == 1, a & 15 == 0)
+        if a.__class__ is int
+        else a.__class__
+        for a in args
+    )
+
+
+@dataclass(frozen=True)
+class _Triton:
+    """What the direct call needs to know about the installed Triton, read once."""
+
+    passes_constexprs: bool  # 3.3+: the compiled launcher takes every argument, constexprs included
+    hooks: object  # where launch hooks live (triton.knobs.runtime, or CompiledKernel before 3.4)
+
+
+_TRITON: _Triton | None = None
+
+
+def _triton() -> _Triton:
+    global _TRITON
+    if _TRITON is None:
+        import triton
+
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+        try:
+            from triton import knobs
+
+            hooks = knobs.runtime
+        except ImportError:
+            from triton.compiler import CompiledKernel as hooks
+        _TRITON = _Triton((major, minor) >= (3, 3), hooks)
+    return _TRITON
+
+
+def launch(op: str, backend: str, kernel, grid: tuple, args: tuple, consts: dict, num_warps: int = 4,
+           num_stages: int | None = None) -> None:  # fmt: skip
+    """Run `kernel[grid](*args, **consts)` with the launch options, and note it under `op`.
+
+    `args` are the runtime arguments in the kernel's order, `consts` its constexprs by name. The constexprs
+    must follow the runtime arguments in the kernel's signature (kp's kernels are written that way)."""
+    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    if backend == INTERPRET or not _FAST:
+        _check_order(kernel, args, consts)
+        kernel[grid](*args, **consts, **options)
+    else:
+        _launch_compiled(kernel, grid, args, consts, options)
+    note_launch(op, kernel.fn.__name__, backend)
+
+
+def _launch_compiled(kernel, grid, args, consts, options) -> None:
+    t = _TRITON or _triton()
+    device = torch.cuda.current_device()
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    hooked = t.hooks.launch_enter_hook is not None or t.hooks.launch_exit_hook is not None
+    if hooked or first.device.index != device:
+        with torch.cuda.device(first.device):
+            kernel[grid](*args, **consts, **options)
+        return
+    key = (kernel, device, num_key(options), tuple(consts.values()), _spec(args))
+    hit = _COMPILED.get(key)
+    if hit is None:  # Triton's JIT compiles (or finds) the kernel and launches it this once
+        _check_order(kernel, args, consts)
+        compiled = kernel[grid](*args, **consts, **options)
+        compiled._init_handles()
+        _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+        return
+    run, function, metadata = hit
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    g = (*grid, 1, 1)
+    if t.passes_constexprs:
+        run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args, *consts.values())
+    else:
+        run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *args)
+
+
+_ORDER_OK: set = set()
+
+
+def _check_order(kernel, args: tuple, consts: dict) -> None:
+    """The direct call passes args then constexprs positionally: they must be the kernel's order. Checked once
+    per kernel and call shape, under the interpreter too, so CPU runs hold launchers to it."""
+    key = (kernel, len(args), tuple(consts))
+    if key in _ORDER_OK:
+        return
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    is_const = ["constexpr" in str(p.annotation) for p in params]
+    names = [p.name for p in params]
+    if names[len(args) :] != list(consts) or any(is_const[: len(args)]) or not all(is_const[len(args) :]):
+        raise TypeError(
+            f"kp_core.launch: {kernel.fn.__name__} takes {names}; got {len(args)} runtime arguments and "
+            f"constexprs {list(consts)} (runtime arguments first, then every constexpr in order)"
+        )
+    _ORDER_OK.add(key)
+
+
+def num_key(options: dict) -> tuple:
+    return (options["num_warps"], options.get("num_stages"))
+
+
+def compiled_count() -> int:
+    """How many (kernel, specialisation) entries the direct-call cache holds (tests, diagnostics)."""
+    return len(_COMPILED)
+
+
+

@@ -1,12 +1,37 @@
-"""torch.library registration in one call, and the registry of every public kp kernel.
+"""One declaration per op: kp-core derives the torch.library ops, autograd, the eager path and the registry.
 
-Ops are made with `torch.library.custom_op` + `register_fake` + `register_autograd`: that path passes
-`opcheck` and `torch.compile(fullgraph=True)` both on GPU and on CPU under the Triton interpreter, where
-`triton_op` + `wrap_triton` does not (see REFERENCES.md). The op is opaque to Inductor.
+    NORM = kp_core.op(
+        "kp::norm", forward, forward_fake,
+        backward=backward, backward_fake=backward_fake, save=save,
+        grad_inputs=("x", "weight", "bias"), same_grad={"residual": "x"}, differentiable_outputs=2,
+        package="kp-norms", spec="norm", dtypes=kp_core.FLOAT_DTYPES,
+    )
+    y, s, mean, rstd = NORM(x, residual, weight, bias, eps, ...)
+
+The contract a package follows:
+- `forward(*args)` is the launcher, with type annotations (they are the op's schema); `forward_fake` returns
+  empty tensors with the outputs' shapes, strides and dtypes.
+- `save(args, outputs)` picks what the backward needs: a tuple of tensors (or None).
+- `backward(*output_grads, *saved, *constants)` gets the gradients of the first `differentiable_outputs`
+  outputs (None, or zeros under torch.compile, for an output that received none), the saved tensors, then the
+  forward's non-tensor arguments in order. It returns one tensor per name in `grad_inputs`, an empty tensor
+  standing for an input that was None. `same_grad={"residual": "x"}` gives an input another one's gradient.
+
+From that, kp-core makes `kp::<name>` and `kp::<name>_backward` with `torch.library.custom_op` (fake kernels,
+`register_autograd`), registers both in the kernel registry, and the declared object is what callers use:
+under torch.compile it calls the custom op (one node, no graph break); in eager mode it skips the
+dispatcher, which costs tens of microseconds a call, and runs the launchers through one shared
+`torch.autograd.Function`, or directly when no gradient is needed.
+
+`custom_op` rather than `triton_op`: on CPU under Triton's interpreter an op made with `triton_op` +
+`wrap_triton` fails `torch.compile(fullgraph=True)` and `opcheck` (fake-tensor / AOT dispatch), and on torch
+2.11 with CUDA a probe kernel behind `triton_op` failed opcheck's dynamic-shape gradient check. A `custom_op`
+passes both everywhere; the price is that Inductor calls it as a unit.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -15,9 +40,9 @@ import torch
 
 @dataclass(frozen=True)
 class KernelInfo:
-    name: str  # "kp::rms_norm"
+    name: str  # "kp::norm"
     package: str  # "kp-norms"
-    spec: str  # conformance spec that covers it, e.g. "rms_norm"
+    spec: str  # conformance spec that covers it, e.g. "norm"
     dtypes: tuple[torch.dtype, ...]
     op: object
 
@@ -25,29 +50,133 @@ class KernelInfo:
 _REGISTRY: dict[str, KernelInfo] = {}
 
 
-def custom_op(
-    name: str,
-    *,
-    package: str,
-    spec: str,
-    dtypes: Sequence[torch.dtype],
-    fake: Callable,
-    backward: Callable | None = None,
-    setup_context: Callable | None = None,
-    mutates_args: Sequence[str] = (),
-) -> Callable[[Callable], object]:
-    """Decorator: define `name` from a typed Python function, with its fake kernel and autograd formula."""
-
-    def wrap(fn: Callable) -> object:
-        op = torch.library.custom_op(name, mutates_args=tuple(mutates_args))(fn)
-        op.register_fake(fake)
-        if backward is not None:
-            op.register_autograd(backward, setup_context=setup_context)
-        _REGISTRY[name] = KernelInfo(name, package, spec, tuple(dtypes), op)
-        return op
-
-    return wrap
-
-
 def registered_kernels() -> dict[str, KernelInfo]:
     return dict(_REGISTRY)
+
+
+def _is_tensor(annotation) -> bool:
+    return "Tensor" in str(annotation)
+
+
+class Op:
+    """A declared op (see the module docstring); call it with the forward's arguments."""
+
+    def __init__(
+        self,
+        name: str,
+        forward: Callable,
+        forward_fake: Callable,
+        *,
+        package: str,
+        spec: str,
+        dtypes: Sequence[torch.dtype],
+        backward: Callable | None = None,
+        backward_fake: Callable | None = None,
+        save: Callable | None = None,
+        grad_inputs: Sequence[str] = (),
+        same_grad: dict[str, str] | None = None,
+        differentiable_outputs: int | None = None,
+        mutates_args: Sequence[str] = (),
+    ):
+        if (backward is None) != (save is None) or (backward is None) != (backward_fake is None):
+            raise TypeError(f"{name}: backward, backward_fake and save are declared together")
+        self.name = name
+        self.forward = forward
+        self.backward = backward
+        self._save = save
+        params = list(inspect.signature(forward).parameters.values())
+        names = [p.name for p in params]
+        tensor = [_is_tensor(p.annotation) for p in params]
+        self._constants = tuple(i for i, t in enumerate(tensor) if not t)
+        self._tensors = tuple(i for i, t in enumerate(tensor) if t)
+        # For each forward argument: the index of its gradient among backward's results, or None.
+        grad_of = {n: k for k, n in enumerate(grad_inputs)}
+        for alias, source in (same_grad or {}).items():
+            grad_of[alias] = grad_of[source]
+        unknown = set(grad_of) - set(names)
+        if unknown:
+            raise TypeError(f"{name}: grad_inputs / same_grad name {sorted(unknown)}, not arguments of {names}")
+        self._grad_index = tuple(grad_of.get(n) for n in names)
+        self._mutated = tuple(names.index(n) for n in mutates_args)
+        self._n_grad_outputs = differentiable_outputs
+        self.op = torch.library.custom_op(name, forward, mutates_args=tuple(mutates_args))
+        self.op.register_fake(forward_fake)
+        _REGISTRY[name] = KernelInfo(name, package, spec, tuple(dtypes), self.op)
+        self.backward_op = None
+        if backward is not None:
+            self.backward_op = torch.library.custom_op(f"{name}_backward", backward, mutates_args=())
+            self.backward_op.register_fake(backward_fake)
+            self.op.register_autograd(self._op_backward, setup_context=self._setup_context)
+            _REGISTRY[f"{name}_backward"] = KernelInfo(f"{name}_backward", package, spec, tuple(dtypes), self.backward_op)
+
+    def __repr__(self) -> str:
+        return f"kp_core.Op({self.name!r})"
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        if self.backward is not None and torch.is_grad_enabled():
+            for i in self._tensors:
+                a = args[i]
+                if a is not None and a.requires_grad:
+                    return _Function.apply(self, *args)
+        out = self.forward(*args)
+        for i in self._mutated:  # what the dispatcher does for a mutating op: autograd sees the write
+            if args[i] is not None:
+                torch.autograd.graph.increment_version(args[i])
+        return out
+
+    # ---- the autograd formula, shared by the custom op and the eager Function ----
+
+    def _saved(self, ctx, args, outputs) -> None:
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        ctx.save_for_backward(*self._save(args, outputs))
+        ctx.constants = tuple(args[i] for i in self._constants)
+        ctx.absent = tuple(args[i] is None for i in range(len(args)))
+        grads = outputs if self._n_grad_outputs is None else outputs[: self._n_grad_outputs]
+        ctx.n_grads = len(grads)
+        ctx.mark_non_differentiable(*outputs[len(grads) :])
+
+    def _input_grads(self, ctx, results) -> tuple:
+        return tuple(
+            None if k is None or ctx.absent[i] or not ctx.needs_input_grad[i] else results[k]
+            for i, k in enumerate(self._grad_index)
+        )
+
+    def _setup_context(self, ctx, inputs, output) -> None:
+        self._saved(ctx, inputs, output)
+
+    def _op_backward(self, ctx, *grads):
+        results = self.backward_op(*grads[: ctx.n_grads], *ctx.saved_tensors, *ctx.constants)
+        return self._input_grads(ctx, results if isinstance(results, tuple) else (results,))
+
+
+class _Function(torch.autograd.Function):
+    """The eager path of every declared op with a backward: the same launchers, no dispatcher."""
+
+    @staticmethod
+    def forward(ctx, op: Op, *args):
+        ctx.set_materialize_grads(False)  # an output nobody used must not cost a pass over zeros
+        outputs = op.forward(*args)
+        op._saved(ctx, args, outputs)
+        ctx.op = op
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op = ctx.op
+        results = op.backward(*grads[: ctx.n_grads], *ctx.saved_tensors, *ctx.constants)
+        return (None, *op._input_grads(_Shifted(ctx), results if isinstance(results, tuple) else (results,)))
+
+
+class _Shifted:
+    """ctx seen without the Function's leading `op` argument."""
+
+    def __init__(self, ctx):
+        self.absent = ctx.absent
+        self.needs_input_grad = ctx.needs_input_grad[1:]
+
+
+def op(name: str, forward: Callable, forward_fake: Callable, **declaration) -> Op:
+    """Declare an op; see the module docstring for the contract."""
+    return Op(name, forward, forward_fake, **declaration)

@@ -1,11 +1,19 @@
 """kp-norms: normalisation kernels in Triton with torch.nn.functional's signatures."""
 
-from kp_norms.functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from kp_norms.functional import (
+    add_layer_norm,
+    add_rms_norm,
+    geglu,
+    geglu_packed,
+    layer_norm,
+    rms_norm,
+    swiglu,
+    swiglu_packed,
+)
 from kp_norms.modules import GatedMLP, LayerNorm, RMSNorm
-from kp_norms.ops.glu import geglu, geglu_packed, swiglu, swiglu_packed
 from kp_norms.patch import patch, unpatch
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "GatedMLP",

@@ -1,7 +1,6 @@
-"""The norms' functional API: torch.nn.functional's signatures, argument checks, and the eager/compiled split.
+"""kp-norms' public functions: torch.nn.functional's signatures, argument checks, then the declared ops.
 
-Every function runs one kernel family (kp_norms.ops.norm). Eager calls go through an autograd.Function
-(less CPU time per call); under torch.compile the custom ops run, so fullgraph=True works.
+Norms run kp::norm (kp_norms.ops.norm); gated activations run kp::glu / kp::glu_packed (kp_norms.ops.glu).
 """
 
 import math
@@ -10,24 +9,26 @@ from typing import Optional
 import torch
 
 import kp_core
-from kp_norms.ops.activation import activation_id
-from kp_norms.ops.norm import DTYPES, NormFunction, Variant, acc_dtype, add_norm_inplace_op, forward_impl, norm_op
+from kp_norms.ops.activation import Activation, by_name
+from kp_norms.ops.glu import GLU, GLU_PACKED
+from kp_norms.ops.norm import ADD_NORM_, DTYPES, NORM
 
 CASTINGS = {"torch": False, "gemma": False, "llama": True}  # name -> whether n is rounded before the weight
 
 
-def _check_shape_arg(name, input, normalized_shape):
-    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+def _is_size(d) -> bool:
+    return d.__class__ is int and d >= 0
+
+
+def _check_shape_arg(name, input, normalized_shape) -> tuple:
+    if _is_size(normalized_shape):
         normalized_shape = (normalized_shape,)
-    if isinstance(normalized_shape, torch.Size):
+    elif isinstance(normalized_shape, (list, tuple)):  # torch.Size is a tuple
         normalized_shape = tuple(normalized_shape)
-    if (
-        not isinstance(normalized_shape, (list, tuple))
-        or len(normalized_shape) == 0
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in normalized_shape)
-    ):
+    else:
+        normalized_shape = ()
+    if not normalized_shape or not all(_is_size(d) for d in normalized_shape):
         raise ValueError(f"{name}: normalized_shape must be a non-empty sequence of sizes, got {normalized_shape!r}")
-    normalized_shape = tuple(normalized_shape)
     k = len(normalized_shape)
     if input.dim() < k or tuple(input.shape[-k:]) != normalized_shape:
         raise ValueError(
@@ -37,7 +38,7 @@ def _check_shape_arg(name, input, normalized_shape):
     return normalized_shape
 
 
-def _check(name, input, normalized_shape, weight, bias, eps, residual=None):
+def _check(name, input, normalized_shape, weight, bias, eps, residual=None) -> tuple:
     """Validate the common arguments; return normalized_shape as a tuple."""
     kp_core.check_tensor(name, "input", input, dtypes=DTYPES)
     if residual is not None:
@@ -53,58 +54,54 @@ def _check(name, input, normalized_shape, weight, bias, eps, residual=None):
     for arg, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             kp_core.check_tensor(name, arg, t, dtypes=DTYPES)
-            kp_core.check_same_device(name, input=input, **{arg: t})
-            kp_core.check_shape(name, arg, t, normalized_shape)
+            if t.device != input.device:
+                kp_core.check_same_device(name, input=input, **{arg: t})
+            if t.shape != normalized_shape:
+                kp_core.check_shape(name, arg, t, normalized_shape)
     if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0):
         raise ValueError(f"{name}: eps must be a non-negative number or None, got {eps!r}")
     return normalized_shape
 
 
-def _rms_variant(name, weight, offset, casting, act) -> Variant:
+def _rms_variant(name, weight, offset, casting, act) -> tuple[float, bool, int]:
+    """(offset, round_n, activation) of an RMSNorm call."""
     if casting not in CASTINGS:
         raise ValueError(f"{name}: casting must be one of {tuple(CASTINGS)}, got {casting!r}")
     if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
         raise ValueError(f"{name}: offset must be a finite number, got {offset!r}")
     if offset != 0 and weight is None:
         raise ValueError(f"{name}: offset={offset} scales a weight, but weight is None")
-    return Variant(rms=True, offset=float(offset), round_n=CASTINGS[casting], act=activation_id(name, act))
+    return float(offset), CASTINGS[casting], int(by_name(name, act))
 
 
-def _layer_eps(name, eps):
+def _layer_eps(name, eps) -> float:
     if eps is None:
         raise ValueError(f"{name}: eps must be a non-negative number, got None")
     return float(eps)
 
 
-def _rms_eps(eps, dtype):
-    # PyTorch's rms_norm takes the compute dtype's epsilon (fp32, or fp64 for fp64 input) when eps is None.
-    return float(eps) if eps is not None else torch.finfo(acc_dtype(dtype)).eps
+def _rms_eps(eps, dtype) -> float:
+    # PyTorch's rms_norm takes its compute dtype's epsilon (fp32, or fp64 for fp64 input) when eps is None.
+    return float(eps) if eps is not None else torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
 
-def _norm(input, residual, n_shape, weight, bias, eps, v: Variant, in_place=False):
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _norm(input, residual, n_shape, weight, bias, eps, rms, offset, round_n, act, in_place=False):
     """Flatten to (rows, N), run, restore shapes. Returns (y, s) with s None without a residual."""
     n = math.prod(n_shape)
     rows = math.prod(input.shape[: input.dim() - len(n_shape)])  # explicit, so zero-size inputs reshape too
     x2 = input.reshape(rows, n)
-    r2 = residual.reshape(rows, n) if residual is not None else None
-    w = weight.reshape(n) if weight is not None else None
-    b = bias.reshape(n) if bias is not None else None
-    compiling = torch.compiler.is_compiling()
-    if in_place:
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (input, residual, weight, bias)
-        )
-        target = residual.view(rows, n) if _viewable(residual, rows, n) else None
-        if not needs_grad and target is not None:  # inference: the sum goes straight into residual
-            if compiling:
-                y = add_norm_inplace_op(x2, target, w, b, eps, v.rms, v.offset, v.round_n, v.act)
-            else:
-                y = forward_impl(x2, target, w, b, eps, v, s_out=target)[0]
-            return y.view(input.shape), residual
-    if compiling:
-        y, s, _, _ = norm_op(x2, r2, w, b, eps, v.rms, v.offset, v.round_n, v.act)
-    else:
-        y, s, _, _ = NormFunction.apply(x2, r2, w, b, eps, v)
+    w = None if weight is None else weight.reshape(n)
+    b = None if bias is None else bias.reshape(n)
+    grad = _needs_grad(input, residual, weight, bias)
+    if in_place and not grad and _viewable(residual, rows, n):  # inference: the sum goes straight into residual
+        y = ADD_NORM_(x2, residual.view(rows, n), w, b, eps, rms, offset, round_n, act)
+        return y.view(input.shape), residual
+    r2 = None if residual is None else residual.reshape(rows, n)
+    y, s, _, _ = NORM(x2, r2, w, b, eps, rms, offset, round_n, act, grad)
     if residual is None:
         return y.view(input.shape), None
     s = s.view(input.shape)
@@ -145,8 +142,8 @@ def rms_norm(
     """
     name = "kp_norms.rms_norm"
     n_shape = _check(name, input, normalized_shape, weight, None, eps)
-    v = _rms_variant(name, weight, offset, casting, activation)
-    return _norm(input, None, n_shape, weight, None, _rms_eps(eps, input.dtype), v)[0]
+    offset, round_n, act = _rms_variant(name, weight, offset, casting, activation)
+    return _norm(input, None, n_shape, weight, None, _rms_eps(eps, input.dtype), True, offset, round_n, act)[0]
 
 
 def layer_norm(
@@ -162,8 +159,8 @@ def layer_norm(
     optional activation ("silu", "gelu", "gelu_tanh") applied in the same kernel."""
     name = "kp_norms.layer_norm"
     n_shape = _check(name, input, normalized_shape, weight, bias, eps)
-    v = Variant(rms=False, act=activation_id(name, activation))
-    return _norm(input, None, n_shape, weight, bias, _layer_eps(name, eps), v)[0]
+    act = int(by_name(name, activation))
+    return _norm(input, None, n_shape, weight, bias, _layer_eps(name, eps), False, 0.0, False, act)[0]
 
 
 def add_rms_norm(
@@ -186,8 +183,9 @@ def add_rms_norm(
     """
     name = "kp_norms.add_rms_norm"
     n_shape = _check(name, input, None, weight, None, eps, residual)
-    v = _rms_variant(name, weight, offset, casting, activation)
-    return _norm(input, residual, n_shape, weight, None, _rms_eps(eps, input.dtype), v, bool(in_place))
+    offset, round_n, act = _rms_variant(name, weight, offset, casting, activation)
+    eps = _rms_eps(eps, input.dtype)
+    return _norm(input, residual, n_shape, weight, None, eps, True, offset, round_n, act, bool(in_place))
 
 
 def add_layer_norm(
@@ -203,5 +201,52 @@ def add_layer_norm(
     """`(layer_norm(input + residual), input + residual)` in one pass over the last dim; see add_rms_norm."""
     name = "kp_norms.add_layer_norm"
     n_shape = _check(name, input, None, weight, bias, eps, residual)
-    v = Variant(rms=False, act=activation_id(name, activation))
-    return _norm(input, residual, n_shape, weight, bias, _layer_eps(name, eps), v, bool(in_place))
+    act = int(by_name(name, activation))
+    eps = _layer_eps(name, eps)
+    return _norm(input, residual, n_shape, weight, bias, eps, False, 0.0, False, act, bool(in_place))
+
+
+# ---- gated activations ----
+
+
+def _glu(name: str, gate, up, act: Activation) -> torch.Tensor:
+    kp_core.check_tensor(name, "gate", gate, dtypes=DTYPES)
+    kp_core.check_tensor(name, "up", up, dtypes=DTYPES)
+    kp_core.check_same_dtype(name, "up", up, gate, "gate")
+    kp_core.check_same_device(name, gate=gate, up=up)
+    kp_core.check_shape(name, "up", up, gate.shape)
+    return GLU(gate, up, int(act))
+
+
+def _glu_packed(name: str, input, act: Activation) -> torch.Tensor:
+    kp_core.check_tensor(name, "input", input, dtypes=DTYPES, min_ndim=1)
+    if input.shape[-1] % 2:
+        raise ValueError(f"{name}: input's last dimension must be even (gate and up halves), got {input.shape[-1]}")
+    return GLU_PACKED(input, int(act))
+
+
+def _gelu(name: str, approximate: str) -> Activation:
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"{name}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return Activation.GELU if approximate == "none" else Activation.GELU_TANH
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up`, fused; gate and up have the same shape, dtype and device."""
+    return _glu("kp_norms.swiglu", gate, up, Activation.SILU)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """`F.gelu(gate, approximate=approximate) * up`, fused."""
+    return _glu("kp_norms.geglu", gate, up, _gelu("kp_norms.geglu", approximate))
+
+
+def swiglu_packed(input: torch.Tensor) -> torch.Tensor:
+    """`swiglu(*input.chunk(2, -1))` without copying the halves: input is [..., 2H], the result [..., H]."""
+    return _glu_packed("kp_norms.swiglu_packed", input, Activation.SILU)
+
+
+def geglu_packed(input: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """`geglu(*input.chunk(2, -1), approximate)` without copying the halves."""
+    name = "kp_norms.geglu_packed"
+    return _glu_packed(name, input, _gelu(name, approximate))

@@ -7,8 +7,7 @@ import numbers
 import torch
 from torch import nn
 
-from kp_norms.functional import layer_norm, rms_norm
-from kp_norms.ops.glu import geglu, swiglu
+from kp_norms.functional import geglu, layer_norm, rms_norm, swiglu
 
 
 class RMSNorm(nn.Module):

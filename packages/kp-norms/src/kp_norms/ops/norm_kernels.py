@@ -1,0 +1,339 @@
+"""Triton kernels of the row norms (the maths is in kp_norms.ops.norm's docstring).
+
+Forward: `_norm_fwd` holds BLOCK_M whole rows in registers; `_norm_fwd_looped` walks one row too wide for
+registers in chunks. Backward: `_norm_bwd` is persistent (a slice of rows per program, the next block's loads
+issued before this block's maths); `_norm_bwd_looped` walks wide rows in chunks. Both leave one dw/db partial
+per program, and `_norm_bwd_sum` adds the partials and casts them to the parameters' dtypes.
+
+dw and db accumulate with Kahan compensation: a program sums hundreds of rows one after another, and plain
+fp32 accumulation there is several times less accurate than PyTorch's pairwise reduction of the same terms.
+"""
+
+import triton
+import triton.language as tl
+
+from kp_norms.ops.activation_kernels import NONE, act_fwd, act_grad
+
+
+@triton.jit
+def _kahan(total, comp, x):
+    """total + x with the rounding error carried in comp (the sum is total - comp)."""
+    y = x - comp
+    t = total + y
+    return t, (t - total) - y
+
+
+@triton.jit
+def _inv_rms(sum_sq, N, eps_hi, eps_lo, ACC: tl.constexpr):
+    """1 / sqrt(sum_sq / N + eps), correctly rounded (the approximate fp32 ops cost ~2 ulp).
+
+    Triton passes float arguments as fp32, so eps arrives as two fp32 halves (eps_hi + eps_lo) that rebuild it
+    to ~48 bits for fp64 inputs; in fp32 the sum is just fp32(eps)."""
+    eps = tl.cast(eps_hi, ACC) + tl.cast(eps_lo, ACC)
+    if ACC == tl.float64:
+        v = sum_sq / N + eps
+        r = 1.0 / tl.sqrt(v)
+        # The GPU backend may turn 1/sqrt into an approximate fp64 rsqrt (~2^-46 relative error, seen on H100);
+        # one Newton step makes it exact to rounding. Rows with inf (r = 0) or a zero sum (r = inf) keep r as
+        # is, so NaN/Inf propagate exactly as in the reference.
+        r = tl.where((r > 0) & (r < float("inf")), r * (1.5 - 0.5 * v * r * r), r)
+    else:
+        r = tl.div_rn(1.0, tl.sqrt_rn(sum_sq / N + eps))
+    return r
+
+
+@triton.jit
+def _affine(n, w, b, X_TY: tl.constexpr, OFFSET: tl.constexpr, ROUND_N: tl.constexpr, HAS_W: tl.constexpr,
+            HAS_B: tl.constexpr, ACC: tl.constexpr):
+    """z = n * (offset + w) + b, with Llama's rounding of n when asked."""
+    if ROUND_N:
+        n = n.to(X_TY).to(ACC)
+    z = n
+    if HAS_W:
+        if OFFSET != 0.0:
+            w = w + OFFSET
+        z = z * w
+    if HAS_B:
+        z = z + b
+    return z
+
+
+@triton.jit
+def _norm_fwd(
+    X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, B, MEAN, RSTD, M, N, eps_hi, eps_lo,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """BLOCK_M whole rows held in registers. STATS: store mean and rstd for the backward."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_R:
+        x = x + tl.load(R + rows64 * stride_r + cols[None, :], mask=mask, other=0.0)
+        tl.store(S + rows64 * stride_s + cols[None, :], x, mask=mask)
+    x = x.to(ACC)
+    if RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        if STATS:
+            tl.store(MEAN + rows, mean, mask=row_ok)
+    rstd = _inv_rms(tl.sum(xc * xc, axis=1), N, eps_hi, eps_lo, ACC)
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)[None, :] if HAS_W else None
+    b = tl.load(B + cols, mask=cols < N, other=0.0).to(ACC)[None, :] if HAS_B else None
+    z = _affine(xc * rstd[:, None], w, b, X.dtype.element_ty, OFFSET, ROUND_N, HAS_W, HAS_B, ACC)
+    tl.store(Y + rows64 * stride_y + cols[None, :], act_fwd(z, ACT), mask=mask)
+    if STATS:
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _norm_fwd_looped(
+    X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, B, MEAN, RSTD, N, eps_hi, eps_lo,
+    BLOCK_N: tl.constexpr, RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr, ACC: tl.constexpr,
+):
+    """One row too wide for registers (one program per row): a pass for the statistics, a pass to normalise.
+    The first pass asks L2 to keep the row, so the second reads it from there.
+
+    LayerNorm's mean and variance merge per chunk (Chan et al.): each chunk's centred sum of squares is exact in
+    registers, so there is no sum-of-squares cancellation however large the mean."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    s_row = S + row * stride_s
+    y_row = Y + row * stride_y
+    zero = tl.zeros([BLOCK_N], dtype=ACC)
+    acc = zero
+    count = tl.sum(zero, axis=0)
+    mean = count
+    m2 = count
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last")
+        if HAS_R:
+            x = x + tl.load(R + row * stride_r + cols, mask=ok, other=0.0, eviction_policy="evict_first")
+            tl.store(s_row + cols, x, mask=ok, eviction_policy="evict_last")
+        x = x.to(ACC)
+        if RMS:
+            acc += x * x
+        else:
+            k = tl.sum(ok.to(ACC), axis=0)
+            c_mean = tl.sum(x, axis=0) / k
+            c_dev = tl.where(ok, x - c_mean, 0.0)
+            total = count + k
+            delta = c_mean - mean
+            mean = mean + delta * (k / total)
+            m2 = m2 + tl.sum(c_dev * c_dev, axis=0) + delta * delta * (count * k / total)
+            count = total
+    if RMS:
+        m2 = tl.sum(acc, axis=0)
+    elif STATS:
+        tl.store(MEAN + row, mean)
+    rstd = _inv_rms(m2, N, eps_hi, eps_lo, ACC)
+    src_row = s_row if HAS_R else x_row
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        x = tl.load(src_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(ACC)
+        xc = x if RMS else x - mean
+        w = tl.load(W + cols, mask=ok, other=0.0).to(ACC) if HAS_W else None
+        b = tl.load(B + cols, mask=ok, other=0.0).to(ACC) if HAS_B else None
+        z = _affine(xc * rstd, w, b, X.dtype.element_ty, OFFSET, ROUND_N, HAS_W, HAS_B, ACC)
+        tl.store(y_row + cols, act_fwd(z, ACT), mask=ok)
+    if STATS:
+        tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _dz_and_n(x, dy, mean, rstd, w, b, mask, X_TY: tl.constexpr, RMS: tl.constexpr, HAS_W: tl.constexpr,
+              HAS_B: tl.constexpr, OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr,
+              ACC: tl.constexpr):
+    """n (zero outside the row), the n that multiplied w, and dz = dy * act'(z)."""
+    xc = x if RMS else tl.where(mask, x - mean, 0.0)
+    n = xc * rstd
+    n_w = n.to(X_TY).to(ACC) if ROUND_N else n
+    dz = dy
+    if ACT != NONE:
+        dz = dy * act_grad(_affine(n, w, b, X_TY, OFFSET, ROUND_N, HAS_W, HAS_B, ACC), ACT)
+    return n, n_w, dz
+
+
+@triton.jit
+def _norm_bwd(
+    DY, stride_dy, DS, stride_ds, X, stride_x, W, B, MEAN, RSTD, DX, stride_dx, DW_PART, DB_PART, M, N,
+    rows_per_program,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RMS: tl.constexpr, HAS_DS: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+):
+    """Each program walks `rows_per_program` rows, BLOCK_M at a time, and writes one dw/db partial row.
+
+    The next block's x and dy are loaded before this block is computed: one persistent program per SM then
+    keeps two blocks of loads in flight (without it the loop is latency-bound, ~1.4 TB/s)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(ACC)[None, :] if HAS_W else None
+    b = tl.load(B + cols, mask=col_ok, other=0.0).to(ACC)[None, :] if HAS_B else None
+    w_eff = (w + OFFSET if OFFSET != 0.0 else w) if HAS_W else None
+    dw = tl.zeros([BLOCK_N], dtype=ACC)
+    dw_c = tl.zeros([BLOCK_N], dtype=ACC)
+    db = tl.zeros([BLOCK_N], dtype=ACC)
+    db_c = tl.zeros([BLOCK_N], dtype=ACC)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    rows = first + tl.arange(0, BLOCK_M)
+    mask = (rows < last)[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x_next = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy_next = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+    for _ in range(first, last, BLOCK_M):
+        x, dy = x_next.to(ACC), dy_next.to(ACC)
+        cur_rows, cur_rows64, cur_mask = rows, rows64, mask
+        rows += BLOCK_M
+        mask = (rows < last)[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x_next = tl.load(X + rows64 * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy_next = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0)
+        row_ok = cur_rows < last
+        rstd = tl.load(RSTD + cur_rows, mask=row_ok, other=0.0)[:, None]
+        mean = None if RMS else tl.load(MEAN + cur_rows, mask=row_ok, other=0.0)[:, None]
+        n, n_w, dz = _dz_and_n(x, dy, mean, rstd, w, b, cur_mask, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET,
+                               ROUND_N, ACT, ACC)
+        dn = dz
+        if HAS_W:
+            dn = dz * w_eff
+            dw, dw_c = _kahan(dw, dw_c, tl.sum(dz * n_w, axis=0))
+        if HAS_B:
+            db, db_c = _kahan(db, db_c, tl.sum(dz, axis=0))
+        dx = dn - n * (tl.sum(dn * n, axis=1) / N)[:, None]
+        if not RMS:
+            dx = dx - (tl.sum(dn, axis=1) / N)[:, None]
+        dx = dx * rstd
+        if HAS_DS:
+            dx += tl.load(DS + cur_rows64 * stride_ds + cols[None, :], mask=cur_mask, other=0.0).to(ACC)
+        tl.store(DX + cur_rows64 * stride_dx + cols[None, :], dx, mask=cur_mask)
+    if HAS_W:
+        tl.store(DW_PART + pid * N + cols, dw - dw_c, mask=col_ok)
+    if HAS_B:
+        tl.store(DB_PART + pid * N + cols, db - db_c, mask=col_ok)
+
+
+@triton.jit
+def _norm_bwd_looped(
+    DY, stride_dy, DS, stride_ds, X, stride_x, W, B, MEAN, RSTD, DX, stride_dx, DW_PART, DB_PART, DW_COMP, DB_COMP,
+    M, N, rows_per_program,
+    BLOCK_N: tl.constexpr, RMS: tl.constexpr, HAS_DS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+):
+    """Rows too wide for registers: per row a pass for mean(dn * n) and mean(dn), then a pass for dx. The
+    program's dw/db partial rows and their Kahan compensation rows live in memory; only this program touches
+    them, so read-modify-write is race-free."""
+    pid = tl.program_id(0)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    part = pid.to(tl.int64) * N  # wide rows: programs * N may pass 2^31
+    dw_row = DW_PART + part
+    db_row = DB_PART + part
+    dw_comp = DW_COMP + part
+    db_comp = DB_COMP + part
+    zero = tl.zeros([BLOCK_N], dtype=ACC)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        if HAS_W:
+            tl.store(dw_row + cols, zero, mask=ok)
+            tl.store(dw_comp + cols, zero, mask=ok)
+        if HAS_B:
+            tl.store(db_row + cols, zero, mask=ok)
+            tl.store(db_comp + cols, zero, mask=ok)
+    for i in range(0, last - first):
+        row = first + i
+        row64 = row.to(tl.int64)
+        x_row = X + row64 * stride_x
+        dy_row = DY + row64 * stride_dy
+        rstd = tl.load(RSTD + row)
+        mean = None if RMS else tl.load(MEAN + row)
+        acc_nn = zero
+        acc_n = zero
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            ok = cols < N
+            x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(ACC)
+            dy = tl.load(dy_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(ACC)
+            w = tl.load(W + cols, mask=ok, other=0.0).to(ACC) if HAS_W else None
+            b = tl.load(B + cols, mask=ok, other=0.0).to(ACC) if HAS_B else None
+            n, n_w, dn = _dz_and_n(x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET,
+                                   ROUND_N, ACT, ACC)
+            if HAS_W:
+                dn = dn * (w + OFFSET if OFFSET != 0.0 else w)
+            acc_nn += dn * n
+            acc_n += dn
+        c1 = tl.sum(acc_nn, axis=0) / N
+        c2 = tl.sum(acc_n, axis=0) / N
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            ok = cols < N
+            x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(ACC)
+            dy = tl.load(dy_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(ACC)
+            w = tl.load(W + cols, mask=ok, other=0.0).to(ACC) if HAS_W else None
+            b = tl.load(B + cols, mask=ok, other=0.0).to(ACC) if HAS_B else None
+            n, n_w, dz = _dz_and_n(x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET,
+                                   ROUND_N, ACT, ACC)
+            dn = dz
+            if HAS_W:
+                dn = dz * (w + OFFSET if OFFSET != 0.0 else w)
+                t, c = _kahan(tl.load(dw_row + cols, mask=ok, other=0.0), tl.load(dw_comp + cols, mask=ok, other=0.0),
+                              dz * n_w)
+                tl.store(dw_row + cols, t, mask=ok)
+                tl.store(dw_comp + cols, c, mask=ok)
+            if HAS_B:
+                t, c = _kahan(tl.load(db_row + cols, mask=ok, other=0.0), tl.load(db_comp + cols, mask=ok, other=0.0),
+                              dz)
+                tl.store(db_row + cols, t, mask=ok)
+                tl.store(db_comp + cols, c, mask=ok)
+            dx = dn - n * c1
+            if not RMS:
+                dx = dx - c2
+            dx = dx * rstd
+            if HAS_DS:
+                dx += tl.load(DS + row64 * stride_ds + cols, mask=ok, other=0.0).to(ACC)
+            tl.store(DX + row64 * stride_dx + cols, dx, mask=ok)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        if HAS_W:
+            tl.store(dw_row + cols, tl.load(dw_row + cols, mask=ok) - tl.load(dw_comp + cols, mask=ok), mask=ok)
+        if HAS_B:
+            tl.store(db_row + cols, tl.load(db_row + cols, mask=ok) - tl.load(db_comp + cols, mask=ok), mask=ok)
+
+
+@triton.jit
+def _sum_rows(PART, programs, N, cols, ok, BLOCK_P: tl.constexpr, ACC: tl.constexpr):
+    """Column sums of a (programs, N) partial block: a tree within each BLOCK_P rows, Kahan across them."""
+    total = tl.zeros([cols.shape[0]], dtype=ACC)
+    comp = tl.zeros([cols.shape[0]], dtype=ACC)
+    for p0 in range(0, programs, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        tile = tl.load(PART + p.to(tl.int64)[:, None] * N + cols[None, :], mask=(p < programs)[:, None] & ok[None, :], other=0.0)
+        total, comp = _kahan(total, comp, tl.sum(tile, axis=0))
+    return total - comp
+
+
+@triton.jit
+def _norm_bwd_sum(
+    DW_PART, DB_PART, DW, DB, programs, N,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+):
+    """dw and db from the backward's per-program partials, in the parameters' dtypes."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    if HAS_W:
+        tl.store(DW + cols, _sum_rows(DW_PART, programs, N, cols, ok, BLOCK_P, ACC), mask=ok)
+    if HAS_B:
+        tl.store(DB + cols, _sum_rows(DB_PART, programs, N, cols, ok, BLOCK_P, ACC), mask=ok)
