@@ -1,18 +1,17 @@
 """Attention: kp vs SDPA's backends (flash = FlashAttention-2, cuDNN, memory-efficient) and FlexAttention.
 
     python benchmarks/bench_attention.py            # every case below, writes results/<device>/attention.*
-    python benchmarks/bench_attention.py --quick    # S = 4096 only, plus decode
+    python benchmarks/bench_attention.py --quick    # S = 4096 only
     python benchmarks/bench_attention.py --tune     # sweep kp's tile settings (bf16, D 128), print the best
 
 TFLOP/s count the useful multiply-adds: forward 4 * B * H * D * (visible query-key pairs), forward+backward
-3.5x that (FlashAttention's convention: backward = 2.5 forward). Decode reports GB/s of K and V read.
+3.5x that (FlashAttention's convention: backward = 2.5 forward). KV-cache decoding: benchmarks/bench_decode.py.
 Attention calls take milliseconds, so plain launches under do_bench are the kernels' own speed here.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import math
 
@@ -20,6 +19,8 @@ import harness
 import kp_attention
 import torch
 import torch.nn.functional as F
+
+import kp_core
 
 DTYPE = torch.bfloat16
 TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
@@ -97,13 +98,25 @@ def cases(quick: bool) -> list[dict]:
 
 
 def check_correct(fn, q, k, v, causal, window) -> None:
-    ours = fn(q, k, v, causal, window).float()
-    ref = F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), is_causal=bool(causal), enable_gqa=q.shape[1] != k.shape[1]
-    )
-    if window < 0:
-        err = (ours - ref).abs().max().item()
-        assert err < 2e-2, f"kp attention wrong: max err {err}"
+    """Before timing: kp agrees with SDPA in fp32 at this size (bf16 rounding; the conformance suite judges the
+    numerics). Windowed cases get SDPA with the window as an explicit mask (query i sees keys i - window .. i)."""
+    with torch.no_grad():
+        ours = fn(q, k, v, causal, window).float()
+        mask = None
+        if window >= 0:
+            i = torch.arange(q.shape[2], device=q.device)[:, None]
+            j = torch.arange(k.shape[2], device=q.device)[None, :]
+            mask = (j <= i) & (j >= i - window)
+        ref = F.scaled_dot_product_attention(
+            q.float(),
+            k.float(),
+            v.float(),
+            attn_mask=mask,
+            is_causal=bool(causal) and mask is None,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    err = (ours - ref).abs().max().item()
+    assert err < 2e-2, f"kp attention wrong (causal={causal}, window={window}): max err {err}"
 
 
 def time_ms(fn, q, k, v, causal: bool, window: int, mode: str) -> float:
@@ -136,46 +149,7 @@ def run_dense(quick: bool) -> list[dict]:
     return rows
 
 
-def _sdpa_decode(backend, q, k, v):
-    from torch.nn.attention import sdpa_kernel
-
-    with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
-
-
-DECODE = [(1, 8192), (1, 32768), (16, 32768), (64, 8192)]
-
-
-def run_decode() -> list[dict]:
-    from torch.nn.attention import SDPBackend
-
-    rows = []
-    hq, hkv = 32, 8
-    for b, length in DECODE:
-        q = torch.randn(b, 1, hq, HEAD_DIM, device="cuda", dtype=DTYPE)
-        k = torch.randn(b, length, hkv, HEAD_DIM, device="cuda", dtype=DTYPE)
-        v = torch.randn_like(k)
-        seqlens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-        nbytes = 2 * k.numel() * k.element_size()
-        fns = {
-            "kp": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens),
-            "sdpa flash": functools.partial(_sdpa_decode, SDPBackend.FLASH_ATTENTION, q, k, v),
-            "sdpa cudnn": functools.partial(_sdpa_decode, SDPBackend.CUDNN_ATTENTION, q, k, v),
-        }
-        for name, fn in fns.items():
-            try:
-                with torch.no_grad():
-                    ms = harness.bench_ms(fn)
-            except Exception as e:
-                print(f"{name} decode failed at B{b} L{length}: {type(e).__name__}: {str(e)[:160]}")
-                continue
-            rows.append(
-                dict(case="decode", B=b, L=length, Hq=hq, Hkv=hkv, provider=name, ms=ms, gbps=nbytes / ms / 1e6)
-            )
-    return rows
-
-
-def render(meta: dict, dense: list[dict], decode: list[dict]) -> str:
+def render(meta: dict, dense: list[dict]) -> str:
     names = list(dict.fromkeys(r["provider"] for r in dense))
     lines = [
         f"# Attention, bf16, D {HEAD_DIM}, {meta['device']}",
@@ -198,14 +172,6 @@ def render(meta: dict, dense: list[dict], decode: list[dict]) -> str:
         }
         cells = [f"{by[p]['tflops']:.0f}" if p in by else "-" for p in names]
         lines.append(f"| {case} | {b} x {s} | {hq}/{hkv} | {causal} | {mode} | " + " | ".join(cells) + " |")
-    dnames = list(dict.fromkeys(r["provider"] for r in decode))
-    lines += ["", "## Decode, q length 1, Hq 32 / Hkv 8: GB/s of K + V read", ""]
-    lines += ["| B | cache length | " + " | ".join(dnames) + " |", "|---|---|" + "---|" * len(dnames)]
-    for b, length in DECODE:
-        by = {r["provider"]: r for r in decode if (r["B"], r["L"]) == (b, length)}
-        lines.append(
-            f"| {b} | {length} | " + " | ".join(f"{by[p]['gbps']:.0f}" if p in by else "-" for p in dnames) + " |"
-        )
     return "\n".join(lines) + "\n"
 
 
@@ -233,28 +199,25 @@ def plot(dense: list[dict], meta: dict, path) -> None:
 
 
 def tune() -> None:
-    """Time kp under each tile setting (flash.CONFIG_OVERRIDE / decode.CONFIG_OVERRIDE) on the S = 4096 cases
-    and the B16 L32768 decode; settings that do not compile (shared memory) are skipped."""
-    from kp_attention.ops import decode, flash
-
+    """Time kp under each tile setting (kp_core.pin per kernel) on the S = 4096 cases; settings that do not
+    compile (shared memory) are skipped."""
     fn = providers()["kp"]
-    key = lambda kernel: (kernel, HEAD_DIM, DTYPE.itemsize)  # noqa: E731
     sweeps = {
-        "fwd": [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)],
-        "dkdv": [(bm, bn, w, st) for bm in (16, 32, 64) for bn in (64, 128) for w in (4, 8) for st in (2, 3)],
-        "dq": [(bm, bn, w, st) for bm in (64, 128) for bn in (16, 32, 64) for w in (4, 8) for st in (2, 3)],
+        "_attn_fwd": [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)],
+        "_attn_bwd_dkdv": [(bm, bn, w, st) for bm in (16, 32, 64) for bn in (64, 128) for w in (4, 8) for st in (2, 3)],
+        "_attn_bwd_dq": [(bm, bn, w, st) for bm in (64, 128) for bn in (16, 32, 64) for w in (4, 8) for st in (2, 3)],
     }
     b, s = TOKENS // 4096, 4096
     q, k, v = (torch.randn(b, HEADS, s, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(3))
     for kernel, settings in sweeps.items():
         for causal in (False, True):
-            flops = 4 * b * HEADS * HEAD_DIM * visible_pairs(s, s, causal, -1) * (1.0 if kernel == "fwd" else 3.5)
+            fwd = kernel == "_attn_fwd"
+            flops = 4 * b * HEADS * HEAD_DIM * visible_pairs(s, s, causal, -1) * (1.0 if fwd else 3.5)
             results = []
             for cfg in settings:
-                flash.CONFIG_OVERRIDE.clear()
-                flash.CONFIG_OVERRIDE[key(kernel)] = flash.AttnConfig(*cfg)
+                kp_core.pin(kernel, **dict(zip(("block_m", "block_n", "num_warps", "num_stages"), cfg)))
                 try:
-                    ms = time_ms(fn, q, k, v, causal, -1, "fwd" if kernel == "fwd" else "fwd+bwd")
+                    ms = time_ms(fn, q, k, v, causal, -1, "fwd" if fwd else "fwd+bwd")
                 except Exception as e:  # out of shared memory, or a compile failure: reported, skipped
                     print(f"  {kernel} {cfg}: {type(e).__name__}: {str(e)[:100]}")
                     continue
@@ -262,24 +225,7 @@ def tune() -> None:
             print(f"tune {kernel} causal={causal}: best TFLOP/s (BLOCK_M, BLOCK_N, warps, stages)")
             for tflops, cfg in sorted(results, reverse=True)[:4]:
                 print(f"   {tflops:6.0f}  {cfg}")
-    flash.CONFIG_OVERRIDE.clear()
-    q = torch.randn(16, 1, 32, HEAD_DIM, device="cuda", dtype=DTYPE)
-    kc = torch.randn(16, 32768, 8, HEAD_DIM, device="cuda", dtype=DTYPE)
-    vc = torch.randn_like(kc)
-    seqlens = torch.full((16,), 32768, dtype=torch.int32, device="cuda")
-    results = []
-    for cfg in [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]:
-        decode.CONFIG_OVERRIDE[f"d{HEAD_DIM}"] = cfg
-        try:
-            ms = harness.bench_ms(functools.partial(kp_attention.flash_attention_with_kvcache, q, kc, vc, seqlens))
-        except Exception as e:
-            print(f"  decode {cfg}: {type(e).__name__}: {str(e)[:100]}")
-            continue
-        results.append((2 * kc.numel() * kc.element_size() / ms / 1e6, cfg))
-    decode.CONFIG_OVERRIDE.clear()
-    print("tune decode B16 L32768: best GB/s (BLOCK_N, warps, stages)")
-    for gbps, cfg in sorted(results, reverse=True)[:4]:
-        print(f"   {gbps:6.0f}  {cfg}")
+            kp_core.unpin(kernel)
 
 
 def main() -> None:
@@ -293,10 +239,9 @@ def main() -> None:
         return
     torch._dynamo.config.cache_size_limit = 64
     dense = run_dense(args.quick)
-    decode = run_decode()
     meta = {"kernel": "attention", "dtype": "bfloat16", "head_dim": HEAD_DIM, **harness.versions()}
-    md = render(meta, dense, decode)
-    out = harness.write_results("attention", meta, dense + decode, md, lambda path: plot(dense, meta, path))
+    md = render(meta, dense)
+    out = harness.write_results("attention", meta, dense, md, lambda path: plot(dense, meta, path))
     print(md)
     print(f"wrote {out}/attention.*")
     assert math.isfinite(sum(r.get("tflops", 0.0) for r in dense))

@@ -1,7 +1,7 @@
 """SwiGLU: kp vs the anchors (eager F.silu(g) * u, torch.compile, Liger-Kernel) in one run.
 
     python benchmarks/bench_glu.py            # headline shapes + N sweep, writes results/<device>/glu.*
-    python benchmarks/bench_glu.py --tune     # sweep kp's tile settings (CONFIG_OVERRIDE) on the headline shapes
+    python benchmarks/bench_glu.py --tune     # sweep kp's tile settings (kp_core.pin) on the headline shapes
 
 gate and up are M x N each. GB/s counts the bytes the op must move: forward 3*M*N*elsize (read gate and up,
 write y); forward+backward 8*M*N*elsize (adds read dy, gate, up; write dgate, dup), DESIGN.md's convention.
@@ -20,6 +20,7 @@ import harness
 import torch
 import torch.nn.functional as F
 
+import kp_core
 import kp_norms
 from kp_norms.ops import glu as glu_mod
 
@@ -120,15 +121,17 @@ def tune() -> None:
     kp = providers()["kp"]
     for (m, n), mode in itertools.product(HEADLINE, ("fwd", "fwd+bwd")):
         results = []
-        for block_m, block_n, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048, 4096), (4, 8, 16)):
-            if not 1024 <= block_m * block_n <= 16384:
+        kernel = "_glu_fwd" if mode == "fwd" else "_glu_bwd"
+        for elements, block_n, warps in itertools.product(
+            (1024, 2048, 4096, 8192, 16384), (256, 512, 1024, 2048, 4096), (4, 8, 16)
+        ):
+            if elements < block_n:
                 continue
-            glu_mod.CONFIG_OVERRIDE.clear()
-            glu_mod.CONFIG_OVERRIDE[glu_mod.OP if mode == "fwd" else glu_mod.OP_BWD] = (block_m, block_n, warps)
+            kp_core.pin(kernel, elements=elements, max_block_n=block_n, num_warps=warps)
             ms = measure(kp, m, n, mode, graph=True)
-            results.append((gbps(m, n, mode, ms), block_m, block_n, warps))
-        glu_mod.CONFIG_OVERRIDE.clear()
-        default = glu_mod._config(glu_mod.OP if mode == "fwd" else glu_mod.OP_BWD, m, n)
+            results.append((gbps(m, n, mode, ms), elements // block_n, block_n, warps))
+        kp_core.unpin(kernel)
+        default = glu_mod.TILES[kernel]
         print(f"tune {m}x{n} {mode} (default {default}): best GB/s, block_m, block_n, num_warps")
         for r in sorted(results, reverse=True)[:6]:
             print(f"   {r[0]:7.0f}  {r[1]:2d}  {r[2]:4d}  {r[3]:2d}")

@@ -13,7 +13,7 @@ import itertools
 import time
 
 import triton
-from kp_attention.ops import flash_kernels as fk
+from kp_attention.ops import attention_kernels as fk
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -54,24 +54,37 @@ def main() -> None:
     target = GPUTarget("cuda", args.arch, 32)
     if args.all:
         variants = itertools.product(
-            ("fp16", "bf16", "fp32"), ((128, 128), (59, 64)), (False, True), (False, True), (False, True),
-            (False, True), (0, 1, 2),
-        )  # fmt: skip
+            ("fp16", "bf16", "fp32"),
+            ((128, 128), (59, 64)),
+            (False, True),
+            (False, True),
+            (False, True),
+            (False, True),
+            (0, 1, 2),
+        )
     else:  # one variant per feature, every dtype
-        variants = [
-            (dt, (128, 128), False, False, False, False, 0) for dt in ("fp16", "bf16", "fp32")
-        ] + [
+        variants = [(dt, (128, 128), False, False, False, False, 0) for dt in ("fp16", "bf16", "fp32")] + [
             ("bf16", (59, 64), True, True, True, True, 0),
             ("fp16", (128, 128), False, False, True, False, 1),
             ("fp16", (256, 256), False, False, False, False, 2),
-        ]  # fmt: skip
+        ]
     count = 0
     for dtype, (d, bd), varlen, left, right, softcap, mask_kind in variants:
         if mask_kind and varlen:
             continue
         mask_ty = "*u8" if mask_kind == 1 else "*fp32"
-        base = dict(HEAD_DIM=d, BLOCK_D=bd, PAD_D=d != bd, VARLEN=varlen, BOTTOM_RIGHT=True, HAS_LEFT=left,
-                    HAS_RIGHT=right, SOFTCAP=softcap, MASK_KIND=mask_kind, IEEE=dtype == "fp32")  # fmt: skip
+        base = dict(
+            HEAD_DIM=d,
+            BLOCK_D=bd,
+            PAD_D=d != bd,
+            VARLEN=varlen,
+            BOTTOM_RIGHT=True,
+            HAS_LEFT=left,
+            HAS_RIGHT=right,
+            SOFTCAP=softcap,
+            MASK_KIND=mask_kind,
+            IEEE=dtype == "fp32",
+        )
         small = bd > 128 or dtype == "fp32"
         for name, tiles in TILES.items():
             bm, bn, warps, stages = tiles[1] if small else tiles[0]

@@ -72,9 +72,14 @@ def norm_cases():
 def attention_cases():
     def inputs():
         q, k, v = (_t(1, 128, 8, 64, grad=True) for _ in range(3))
-        return dict(q=q, k=k, v=v, qt=q.detach().transpose(1, 2).contiguous().requires_grad_(),
-                    kt=k.detach().transpose(1, 2).contiguous().requires_grad_(),
-                    vt=v.detach().transpose(1, 2).contiguous().requires_grad_())  # fmt: skip
+        return dict(
+            q=q,
+            k=k,
+            v=v,
+            qt=q.detach().transpose(1, 2).contiguous().requires_grad_(),
+            kt=k.detach().transpose(1, 2).contiguous().requires_grad_(),
+            vt=v.detach().transpose(1, 2).contiguous().requires_grad_(),
+        )
 
     return {
         "attention": {
@@ -152,9 +157,14 @@ def cpu_cost(iters: int) -> list[dict]:
                     for name in calls:
                         samples[name].append(harness.wall_us_per_call(calls[name][mode], iters))
                 us = {name: statistics.median(v) for name, v in samples.items()}
-                rows.append(dict(op=op, mode=mode, **{f"us_{k}": v for k, v in us.items()}, ratio=us["kp"] / us["torch"]))
-                print(f"{op:12s} {mode:16s} kp {us['kp']:7.1f} us   torch {us['torch']:7.1f} us   "
-                      f"ratio {us['kp'] / us['torch']:.2f}", flush=True)  # fmt: skip
+                rows.append(
+                    dict(op=op, mode=mode, **{f"us_{k}": v for k, v in us.items()}, ratio=us["kp"] / us["torch"])
+                )
+                print(
+                    f"{op:12s} {mode:16s} kp {us['kp']:7.1f} us   torch {us['torch']:7.1f} us   "
+                    f"ratio {us['kp'] / us['torch']:.2f}",
+                    flush=True,
+                )
     return rows
 
 
@@ -165,17 +175,17 @@ SHAPES = [(16384, 4096), (8192, 8192)]
 
 def plain_launch(copy: float) -> list[dict]:
     rows = []
+    cases, _ = norm_cases()
     for op, (m, n) in [(op, s) for op in ("rms_norm", "layer_norm", "add_rms_norm") for s in SHAPES]:
-        cases, _ = norm_cases()
         x, r, w, b = _t(m, n, grad=True), _t(m, n, grad=True), _t(n, grad=True), _t(n, grad=True)
         inputs = dict(x=x, r=r, w=w, b=b)
         factor = 8 if op.startswith("add") else 5
         for name, fn in cases[op].items():
-            out = fn(inputs)
-            outs = out if isinstance(out, tuple) else (out,)
-            dys = [torch.randn_like(o) for o in outs]
+            with torch.no_grad():  # output shapes only: no autograd graph may outlive this line
+                outs = fn(inputs)
+            dys = [torch.randn_like(o) for o in (outs if isinstance(outs, tuple) else (outs,))]
 
-            def step(fn=fn, dys=dys):
+            def step(fn=fn, dys=dys, inputs=inputs):
                 o = fn(inputs)
                 torch.autograd.backward(o if isinstance(o, tuple) else (o,), dys)
 
@@ -185,8 +195,10 @@ def plain_launch(copy: float) -> list[dict]:
                 gbps = factor * m * n * DTYPE.itemsize / ms / 1e6
                 row.update({f"gbps_{timing}": gbps, f"pct_copy_{timing}": 100 * gbps / copy})
             rows.append(row)
-            print(f"{op:12s} {m}x{n} {name:6s} plain {row['gbps_plain']:6.0f} GB/s   graph {row['gbps_graph']:6.0f}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{op:12s} {m}x{n} {name:6s} plain {row['gbps_plain']:6.0f} GB/s   graph {row['gbps_graph']:6.0f}",
+                flush=True,
+            )
     return rows
 
 

@@ -1,7 +1,6 @@
 """Conformance spec for kp-norms' gated activations (SwiGLU, GeGLU with erf and tanh GELU), split and packed,
 forward and backward, against independent float64 references."""
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -14,13 +13,15 @@ from hypothesis import strategies as st
 import kp_conformance as kc
 import kp_core
 import kp_norms
+from kp_conformance.references import gelu64, gelu_tanh64, silu64
 from kp_norms.ops import glu as glu_mod
+from kp_norms.ops.activation import Activation
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TIER = kc.current()
 DEVICE = kc.device()
-SPLIT_OPS = (glu_mod.OP, glu_mod.OP_BWD)
-PACKED_OPS = (glu_mod.OP_PACKED, glu_mod.OP_PACKED_BWD)
+SPLIT_OPS = ("kp::glu", "kp::glu_backward")
+PACKED_OPS = ("kp::glu_packed", "kp::glu_packed_backward")
 
 kc.declare(
     kc.Spec(
@@ -44,21 +45,6 @@ kc.declare(
         ),
     )
 )
-
-
-# ---- independent float64 references (never call kp) ----
-
-
-def silu64(g):
-    return g * torch.sigmoid(g)
-
-
-def gelu64(g):
-    return 0.5 * g * (1 + torch.erf(g / math.sqrt(2)))
-
-
-def gelu_tanh64(g):
-    return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
 
 
 @dataclass(frozen=True)
@@ -244,15 +230,16 @@ def test_bad_input(what, call, error, words):
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_opcheck(dtype):
     kc.skip_if_not_covered(dtype)
-    for layout, activation in (("row_strided", "silu"), ("transposed", "gelu_tanh")):
+    for layout, activation in (("row_strided", Activation.SILU), ("transposed", Activation.GELU_TANH)):
         g, u = (kc.make_input((37, 130), dtype, DEVICE, layout, seed=i).requires_grad_() for i in (1, 2))
         x = kc.make_input((37, 260), dtype, DEVICE, layout, seed=3).requires_grad_()
         dy = kc.make_input((37, 130), dtype, DEVICE, layout, seed=4)
         with kp_core.record_launches() as rec:
-            torch.library.opcheck(glu_mod.glu_op, (g, u, activation))
-            torch.library.opcheck(glu_mod.glu_backward_op, (dy, g.detach(), u.detach(), activation))
-            torch.library.opcheck(glu_mod.glu_packed_op, (x, activation))
-            torch.library.opcheck(glu_mod.glu_packed_backward_op, (dy, x.detach(), activation))
+            act = int(activation)
+            torch.library.opcheck(glu_mod.GLU.op, (g, u, act))
+            torch.library.opcheck(glu_mod.GLU.backward_op, (dy, g.detach(), u.detach(), act))
+            torch.library.opcheck(glu_mod.GLU_PACKED.op, (x, act))
+            torch.library.opcheck(glu_mod.GLU_PACKED.backward_op, (dy, x.detach(), act))
         kc.assert_kernel_ran(rec, *SPLIT_OPS, *PACKED_OPS)
 
 

@@ -17,7 +17,9 @@ def _forward(x: torch.Tensor, y: Optional[torch.Tensor], a: float, stats: bool) 
     return out, x * x
 
 
-def _backward(dout: Optional[torch.Tensor], x: torch.Tensor, a: float, stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(
+    dout: Optional[torch.Tensor], x: torch.Tensor, a: float, stats: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     kp_core.note_launch(f"{OP}_backward", "torch", kp_core.REFERENCE)
     if dout is None:
         dout = torch.zeros_like(x)

@@ -1,7 +1,8 @@
-"""Attention's functional API: FlashAttention's and torch's signatures, argument checks, one kernel family.
+"""kp-attention's public functions: FlashAttention's and torch's signatures, argument checks, then the ops.
 
-All three functions run kp_attention.ops.flash (eager: an autograd.Function; under torch.compile: the custom ops
-kp::flash_attention / kp::flash_attention_backward).
+flash_attention and scaled_dot_product_attention run kp::flash_attention, flash_attention_varlen runs
+kp::flash_attention_varlen (kp_attention.ops.attention); flash_attention_with_kvcache runs
+kp::flash_attention_with_kvcache (kp_attention.ops.decode).
 """
 
 import math
@@ -10,7 +11,10 @@ from typing import Optional, Union
 import torch
 
 import kp_core
-from kp_attention.ops.flash import DTYPES, MAX_HEAD_DIM, Params, attention, default_scale
+from kp_attention.ops.attention import DTYPES, FLASH, FLASH_VARLEN, MAX_HEAD_DIM, Params, default_scale
+from kp_attention.ops.decode import KVCACHE, PAGE_MULTIPLE
+
+KV_OP = "kp_attention.flash_attention_with_kvcache"
 
 
 def _is_int(x) -> bool:
@@ -91,7 +95,7 @@ def flash_attention(
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"{op}: batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
     p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
-    out, lse = attention(q, k, v, None, None, None, p)
+    out, lse = FLASH(q, k, v, None, p.scale, p.softcap, p.window_left, p.window_right, True)
     return (out, lse) if return_lse else out
 
 
@@ -137,8 +141,19 @@ def flash_attention_varlen(
         if not _is_int(val) or val < 0:
             raise ValueError(f"{op}: {name} must be an int >= 0, got {val!r}")
     p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
-    p = Params(p.scale, p.softcap, p.window_left, p.window_right, True, max_seqlen_q, max_seqlen_k)
-    out, lse = attention(q, k, v, None, cu_seqlens_q, cu_seqlens_k, p)
+    out, lse = FLASH_VARLEN(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        p.scale,
+        p.softcap,
+        p.window_left,
+        p.window_right,
+    )
     return (out, lse) if return_lse else out
 
 
@@ -166,8 +181,9 @@ def scaled_dot_product_attention(
     for name, t in (("query", query), ("key", key), ("value", value)):
         kp_core.check_tensor(op, name, t, dtypes=DTYPES)
         if t.dim() not in (3, 4):
-            raise ValueError(f"{op}: {name} must have 4 dimensions (batch, heads, seqlen, head_dim) or 3, got "
-                             f"shape {tuple(t.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{op}: {name} must have 4 dimensions (batch, heads, seqlen, head_dim) or 3, got shape {tuple(t.shape)}"
+            )
     if not (query.dim() == key.dim() == value.dim()):
         raise ValueError(f"{op}: query, key and value must have the same number of dimensions")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
@@ -210,6 +226,138 @@ def scaled_dot_product_attention(
         not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale)
     ):
         raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
-    p = Params(float(default_scale(e) if scale is None else scale), 0.0, -1, 0 if is_causal else -1, False)
-    out = attention(q, k, v, mask, None, None, p)[0].transpose(1, 2)
+    scale = float(default_scale(e) if scale is None else scale)
+    out = FLASH(q, k, v, mask, scale, 0.0, -1, 0 if is_causal else -1, False)[0].transpose(1, 2)
     return out.squeeze(1) if three_d else out
+
+
+# ---- KV-cache decoding ----
+
+
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits):
+    """The capacity (keys a sequence can hold) and the number of new tokens."""
+    kp_core.check_tensor(KV_OP, "q", q, dtypes=DTYPES, ndim=4)
+    kp_core.check_tensor(KV_OP, "k_cache", k_cache, dtypes=DTYPES, ndim=4)
+    kp_core.check_tensor(KV_OP, "v_cache", v_cache, dtypes=DTYPES, ndim=4)
+    kp_core.check_same_dtype(KV_OP, "k_cache", k_cache, q, "q")
+    kp_core.check_same_dtype(KV_OP, "v_cache", v_cache, q, "q")
+    if (k is None) != (v is None):
+        raise ValueError(
+            f"{KV_OP}: k and v (the new tokens) must be given together, got only {'k' if v is None else 'v'}"
+        )
+    if k is not None:
+        kp_core.check_tensor(KV_OP, "k", k, dtypes=DTYPES, ndim=4)
+        kp_core.check_tensor(KV_OP, "v", v, dtypes=DTYPES, ndim=4)
+        kp_core.check_same_dtype(KV_OP, "k", k, q, "q")
+        kp_core.check_same_dtype(KV_OP, "v", v, q, "q")
+    if block_table is not None:
+        kp_core.check_tensor(KV_OP, "block_table", block_table, dtypes=(torch.int32,), ndim=2)
+    if isinstance(cache_seqlens, torch.Tensor):
+        kp_core.check_tensor(KV_OP, "cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
+    elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+        raise TypeError(f"{KV_OP}: cache_seqlens must be an int32 tensor or an int, got {type(cache_seqlens).__name__}")
+    kp_core.check_same_device(
+        KV_OP,
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k=k,
+        v=v,
+        block_table=block_table,
+        cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None,
+    )
+
+    batch, _, hq, d = q.shape
+    _, page, hkv, d_k = k_cache.shape
+    if d_k != d:
+        raise ValueError(
+            f"{KV_OP}: k_cache head dim must equal q's ({d}), got {d_k} (k_cache shape {tuple(k_cache.shape)})"
+        )
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"{KV_OP}: head dim must be at most {MAX_HEAD_DIM}, got {d}")
+    kp_core.check_shape(KV_OP, "v_cache", v_cache, k_cache.shape)
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"{KV_OP}: q heads ({hq}) must be a multiple of k_cache heads ({hkv})")
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"{KV_OP}: k_cache batch ({k_cache.shape[0]}) must equal q's batch ({batch})")
+        capacity = page
+    else:
+        if block_table.shape[0] != batch:
+            raise ValueError(f"{KV_OP}: block_table batch ({block_table.shape[0]}) must equal q's batch ({batch})")
+        if page % PAGE_MULTIPLE != 0:
+            raise ValueError(
+                f"{KV_OP}: paged k_cache block_size (dim 1) must be a multiple of {PAGE_MULTIPLE}, got {page}"
+            )
+        capacity = block_table.shape[1] * page
+    if isinstance(cache_seqlens, torch.Tensor):
+        kp_core.check_shape(KV_OP, "cache_seqlens", cache_seqlens, (batch,))
+    new = 0
+    if k is not None:
+        new = k.shape[1]
+        kp_core.check_shape(KV_OP, "k", k, (batch, new, hkv, d))
+        kp_core.check_shape(KV_OP, "v", v, (batch, new, hkv, d))
+    if not isinstance(cache_seqlens, torch.Tensor) and not 0 <= cache_seqlens <= capacity - new:
+        raise ValueError(
+            f"{KV_OP}: cache_seqlens ({cache_seqlens}) plus new tokens ({new}) must lie in [0, {capacity}] (the cache)"
+        )
+    if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) for w in window)):
+        raise TypeError(f"{KV_OP}: window must be a pair of ints (left, right), got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"{KV_OP}: window sizes must be >= -1 (-1: unbounded), got {tuple(window)}")
+    if not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"{KV_OP}: softcap must be a float >= 0 (0: off), got {softcap!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"{KV_OP}: num_splits must be an int >= 0 (0: auto), got {num_splits!r}")
+    return capacity, new
+
+
+def flash_attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: Union[torch.Tensor, int],
+    *,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    scale: Optional[float] = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+):
+    """Attention of a few new queries over a KV cache (FlashAttention's `flash_attn_with_kvcache`), inference only.
+
+    q: (B, Sq, Hq, D), Sq small (1 for decoding). k_cache / v_cache: (B, S_max, Hkv, D), or paged
+    (num_blocks, block_size, Hkv, D) with block_table (B, max_blocks_per_seq) int32 (block_size a multiple of 16).
+    cache_seqlens: int32 (B,) or an int, the valid cached tokens per sequence. Hq % Hkv == 0, D <= 256.
+    k, v: optional new tokens (B, Sq_new, Hkv, D), written IN PLACE into k_cache / v_cache at positions
+    cache_seqlens[b] ... before attending (cache_seqlens itself is not changed); the sequence then has
+    cache_seqlens + Sq_new keys. causal aligns the diagonal bottom-right and forces window right = 0;
+    window (left, right) bounds the keys about the diagonal (-1: unbounded); softcap c > 0 applies
+    c * tanh(s / c) to the scaled scores; scale defaults to 1 / sqrt(D). num_splits: key-length splits
+    (flash-decoding), 0 = chosen from the GPU's SM count. Returns out (B, Sq, Hq, D) in q's dtype, and
+    with return_lse the fp32 log-sum-exp (B, Hq, Sq). Rows that see no key give 0 (lse -inf).
+    """
+    _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    out, lse = KVCACHE(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k,
+        v,
+        block_table,
+        bool(causal),
+        int(window[0]),
+        int(window[1]),
+        float(softcap),
+        scale,
+        int(num_splits),
+    )
+    return (out, lse) if return_lse else out

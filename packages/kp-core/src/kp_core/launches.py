@@ -130,8 +130,16 @@ def _triton() -> _Triton:
     return _TRITON
 
 
-def launch(op: str, backend: str, kernel, grid: tuple, args: tuple, consts: dict, num_warps: int = 4,
-           num_stages: int | None = None) -> None:  # fmt: skip
+def launch(
+    op: str,
+    backend: str,
+    kernel,
+    grid: tuple,
+    args: tuple,
+    consts: dict,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> None:
     """Run `kernel[grid](*args, **consts)` with the launch options, and note it under `op`.
 
     `args` are the runtime arguments in the kernel's order, `consts` its constexprs by name. The constexprs
@@ -198,6 +206,3 @@ def num_key(options: dict) -> tuple:
 def compiled_count() -> int:
     """How many (kernel, specialisation) entries the direct-call cache holds (tests, diagnostics)."""
     return len(_COMPILED)
-
-
-

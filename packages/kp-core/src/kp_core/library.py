@@ -107,7 +107,9 @@ class Op:
             self.backward_op = torch.library.custom_op(f"{name}_backward", backward, mutates_args=())
             self.backward_op.register_fake(backward_fake)
             self.op.register_autograd(self._op_backward, setup_context=self._setup_context)
-            _REGISTRY[f"{name}_backward"] = KernelInfo(f"{name}_backward", package, spec, tuple(dtypes), self.backward_op)
+            _REGISTRY[f"{name}_backward"] = KernelInfo(
+                f"{name}_backward", package, spec, tuple(dtypes), self.backward_op
+            )
 
     def __repr__(self) -> str:
         return f"kp_core.Op({self.name!r})"

@@ -17,7 +17,7 @@ CASTINGS = {"torch": False, "gemma": False, "llama": True}  # name -> whether n 
 
 
 def _is_size(d) -> bool:
-    return d.__class__ is int and d >= 0
+    return isinstance(d, int) and not isinstance(d, bool) and d >= 0  # isinstance: a SymInt under torch.compile
 
 
 def _check_shape_arg(name, input, normalized_shape) -> tuple:
@@ -82,7 +82,9 @@ def _layer_eps(name, eps) -> float:
 
 def _rms_eps(eps, dtype) -> float:
     # PyTorch's rms_norm takes its compute dtype's epsilon (fp32, or fp64 for fp64 input) when eps is None.
-    return float(eps) if eps is not None else torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    return (
+        float(eps) if eps is not None else torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    )
 
 
 def _needs_grad(*tensors) -> bool:

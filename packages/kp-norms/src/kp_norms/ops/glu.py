@@ -6,10 +6,10 @@
                                                     z = sqrt(2 / pi) (g + 0.044715 g^3)
     dgate = dy * up * act'(gate)      dup = dy * act(gate)
 
-Computed in fp32 for fp16/bf16 inputs and in fp64 for fp32/fp64 ones, rounded once at the store. The backward recomputes act from gate: only
-gate and up are saved. The packed op takes one [..., 2H] tensor, `gate, up = input.chunk(2, -1)`; its halves are
-row-strided views read in place, and its backward writes both halves of one [..., 2H] gradient. Kernels:
-kp_norms.ops.glu_kernels.
+Computed in fp32 for fp16/bf16 inputs and in fp64 for fp32/fp64 ones, rounded once at the store. The backward
+recomputes act from gate: only gate and up are saved. The packed op takes one [..., 2H] tensor,
+`gate, up = input.chunk(2, -1)`; its halves are row-strided views read in place, and its backward writes both
+halves of one [..., 2H] gradient. Kernels: kp_norms.ops.glu_kernels.
 """
 
 import functools
@@ -99,8 +99,9 @@ def _launch(op, kernel, backend, gate, tensors, act) -> None:
     kp_core.check_index_fits(op, "the launch grid (programs)", grid)
     acc = tl.float32 if gate.dtype in (torch.float16, torch.bfloat16) else tl.float64
     args = (*(a for t in tensors for a in (t, t.stride(0))), m, h, n_col_blocks)
-    kp_core.launch(op, backend, kernel, (grid,), args, dict(BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, ACC=acc),
-                   num_warps)  # fmt: skip
+    kp_core.launch(
+        op, backend, kernel, (grid,), args, dict(BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, ACC=acc), num_warps
+    )
 
 
 def _launch_forward(op, gate, up, y, act):
@@ -193,4 +194,3 @@ GLU_PACKED = kp_core.op(
     spec=SPEC,
     dtypes=DTYPES,
 )
-

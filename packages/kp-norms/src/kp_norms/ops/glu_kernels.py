@@ -17,8 +17,19 @@ def _tile(pid, n_col_blocks, M, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr)
 
 @triton.jit
 def _glu_fwd(
-    G, stride_g, U, stride_u, Y, stride_y, M, H, n_col_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+    G,
+    stride_g,
+    U,
+    stride_u,
+    Y,
+    stride_y,
+    M,
+    H,
+    n_col_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """y = act(g) * u on one BLOCK_M x BLOCK_N tile (1-D grid: row blocks x column blocks)."""
     r, c, mask = _tile(tl.program_id(0), n_col_blocks, M, H, BLOCK_M, BLOCK_N)
@@ -30,8 +41,23 @@ def _glu_fwd(
 
 @triton.jit
 def _glu_bwd(
-    DY, stride_dy, G, stride_g, U, stride_u, DG, stride_dg, DU, stride_du, M, H, n_col_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+    DY,
+    stride_dy,
+    G,
+    stride_g,
+    U,
+    stride_u,
+    DG,
+    stride_dg,
+    DU,
+    stride_du,
+    M,
+    H,
+    n_col_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """dgate = dy * u * act'(g), dup = dy * act(g); act recomputed from g."""
     r, c, mask = _tile(tl.program_id(0), n_col_blocks, M, H, BLOCK_M, BLOCK_N)

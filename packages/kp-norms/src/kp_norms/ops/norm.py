@@ -22,6 +22,7 @@ The kernels are in kp_norms.ops.norm_kernels; this module holds the launchers, t
 path and the two op declarations: kp::norm (with its backward) and kp::add_norm_ (in place, no autograd).
 """
 
+import dataclasses
 import functools
 import struct
 from typing import Optional
@@ -44,6 +45,21 @@ SPEC = "norm"
 DTYPES = kp_core.FLOAT_DTYPES
 PROGRAMS_PER_SM = 1  # backward: persistent programs per SM (each keeps two blocks of loads in flight)
 SUM_BLOCK_N = 128  # columns per program of the partial-sum kernel
+
+
+def _tiles(kernel: str, n: int, element_size: int) -> kp_core.RowConfig:
+    return _tiles_for(kernel, n, element_size, kp_core.tuning.generation())
+
+
+@functools.lru_cache(maxsize=1024)
+def _tiles_for(kernel: str, n: int, element_size: int, _generation: int) -> kp_core.RowConfig:
+    """kp_core.row_config, with rows per program and warps of the fused kernels pinnable per kernel
+    (`kp_core.pin("_norm_fwd", block_rows=.., num_warps=..)`: benchmarks/bench_norm.py --tune)."""
+    cfg = kp_core.row_config(kernel, n, element_size)
+    if cfg.looped:
+        return cfg
+    s = kp_core.settings(kernel, block_rows=cfg.block_rows, num_warps=cfg.num_warps)
+    return dataclasses.replace(cfg, block_rows=s["block_rows"], num_warps=s["num_warps"])
 
 
 @functools.lru_cache(maxsize=64)
@@ -136,18 +152,53 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
         mean = rstd if rms else x.new_empty((m,), dtype=rstd.dtype)
     else:
         mean = rstd = y  # never written
-    cfg = kp_core.row_config(op, n, x.element_size())
-    args = (x, x.stride(0), residual, residual.stride(0), s, s.stride(0), y, y.stride(0),
-            x if weight is None else weight, x if bias is None else bias, mean, rstd)  # fmt: skip
-    switches = dict(RMS=rms, HAS_R=has_r, HAS_W=weight is not None, HAS_B=bias is not None, OFFSET=offset,
-                    ROUND_N=round_n, ACT=act, STATS=stats, ACC=_tl_acc(x.dtype))  # fmt: skip
+    cfg = _tiles("_norm_fwd", n, x.element_size())
+    args = (
+        x,
+        x.stride(0),
+        residual,
+        residual.stride(0),
+        s,
+        s.stride(0),
+        y,
+        y.stride(0),
+        x if weight is None else weight,
+        x if bias is None else bias,
+        mean,
+        rstd,
+    )
+    switches = dict(
+        RMS=rms,
+        HAS_R=has_r,
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        OFFSET=offset,
+        ROUND_N=round_n,
+        ACT=act,
+        STATS=stats,
+        ACC=_tl_acc(x.dtype),
+    )
     if cfg.looped:  # one program per row
-        kp_core.launch(op, backend, kernels._norm_fwd_looped, (m,), (*args, n, *split_eps(eps)),
-                       dict(BLOCK_N=cfg.block_cols, **switches), cfg.num_warps)  # fmt: skip
+        kp_core.launch(
+            op,
+            backend,
+            kernels._norm_fwd_looped,
+            (m,),
+            (*args, n, *split_eps(eps)),
+            dict(BLOCK_N=cfg.block_cols, **switches),
+            cfg.num_warps,
+        )
     else:
         grid = (-(-m // cfg.block_rows),)
-        kp_core.launch(op, backend, kernels._norm_fwd, grid, (*args, m, n, *split_eps(eps)),
-                       dict(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches), cfg.num_warps)  # fmt: skip
+        kp_core.launch(
+            op,
+            backend,
+            kernels._norm_fwd,
+            grid,
+            (*args, m, n, *split_eps(eps)),
+            dict(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches),
+            cfg.num_warps,
+        )
     if not stats:
         return y, (s if has_r else _empty(x)), _empty(x), _empty(x)
     return y, (s if has_r else _empty(x)), (_empty(x) if rms else mean), rstd
@@ -198,8 +249,9 @@ def backward(
     x, dy = _rows(x), _rows(dy)
     ds = None if ds is None else _rows(ds)
     dx = x.new_empty((m, n))
-    cfg = kp_core.row_config(OP_BWD, n, x.element_size())
-    programs = kp_core.persistent_programs(x.device, -(-m // cfg.block_rows), PROGRAMS_PER_SM)
+    cfg = _tiles("_norm_bwd", n, x.element_size())
+    per_sm = kp_core.settings("_norm_bwd", programs_per_sm=PROGRAMS_PER_SM)["programs_per_sm"]
+    programs = kp_core.persistent_programs(x.device, -(-m // cfg.block_rows), per_sm)
     rows_per_program = -(-m // programs)
     programs = -(-m // rows_per_program)
     has_w, has_b = weight is not None, bias is not None
@@ -208,25 +260,66 @@ def backward(
     n_parts = max(1, has_w + has_b)
     parts = x.new_empty(((2 if cfg.looped else 1) * n_parts, programs, n), dtype=acc)
     dw_part, db_part = parts[0], parts[n_parts - 1]
-    args = (dy, dy.stride(0), dx if ds is None else ds, 0 if ds is None else ds.stride(0), x, x.stride(0),
-            x if weight is None else weight, x if bias is None else bias, rstd if rms else mean, rstd, dx,
-            dx.stride(0), dw_part, db_part)  # fmt: skip
-    switches = dict(RMS=rms, HAS_DS=ds is not None, HAS_W=has_w, HAS_B=has_b, OFFSET=offset, ROUND_N=round_n,
-                    ACT=act, ACC=_tl_acc(x.dtype))  # fmt: skip
+    args = (
+        dy,
+        dy.stride(0),
+        dx if ds is None else ds,
+        0 if ds is None else ds.stride(0),
+        x,
+        x.stride(0),
+        x if weight is None else weight,
+        x if bias is None else bias,
+        rstd if rms else mean,
+        rstd,
+        dx,
+        dx.stride(0),
+        dw_part,
+        db_part,
+    )
+    switches = dict(
+        RMS=rms,
+        HAS_DS=ds is not None,
+        HAS_W=has_w,
+        HAS_B=has_b,
+        OFFSET=offset,
+        ROUND_N=round_n,
+        ACT=act,
+        ACC=_tl_acc(x.dtype),
+    )
     if cfg.looped:
         comps = (parts[n_parts], parts[-1])  # dw's, db's
-        kp_core.launch(OP_BWD, backend, kernels._norm_bwd_looped, (programs,), (*args, *comps, m, n, rows_per_program),
-                       dict(BLOCK_N=cfg.block_cols, **switches), cfg.num_warps)  # fmt: skip
+        kp_core.launch(
+            OP_BWD,
+            backend,
+            kernels._norm_bwd_looped,
+            (programs,),
+            (*args, *comps, m, n, rows_per_program),
+            dict(BLOCK_N=cfg.block_cols, **switches),
+            cfg.num_warps,
+        )
     else:
-        kp_core.launch(OP_BWD, backend, kernels._norm_bwd, (programs,), (*args, m, n, rows_per_program),
-                       dict(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches), cfg.num_warps)  # fmt: skip
+        kp_core.launch(
+            OP_BWD,
+            backend,
+            kernels._norm_bwd,
+            (programs,),
+            (*args, m, n, rows_per_program),
+            dict(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches),
+            cfg.num_warps,
+        )
     dw = weight.new_empty(weight.shape) if has_w else _empty(x)
     db = bias.new_empty(bias.shape) if has_b else _empty(x)
     if has_w or has_b:
         block_n = min(SUM_BLOCK_N, kp_core.next_power_of_2(n))
-        kp_core.launch(OP_BWD, backend, kernels._norm_bwd_sum, (-(-n // block_n),),
-                       (dw_part, db_part, dw if has_w else dx, db if has_b else dx, programs, n),
-                       dict(BLOCK_P=32, BLOCK_N=block_n, HAS_W=has_w, HAS_B=has_b, ACC=_tl_acc(x.dtype)), 4)  # fmt: skip
+        kp_core.launch(
+            OP_BWD,
+            backend,
+            kernels._norm_bwd_sum,
+            (-(-n // block_n),),
+            (dw_part, db_part, dw if has_w else dx, db if has_b else dx, programs, n),
+            dict(BLOCK_P=32, BLOCK_N=block_n, HAS_W=has_w, HAS_B=has_b, ACC=_tl_acc(x.dtype)),
+            4,
+        )
     return dx, dw, db
 
 
@@ -282,6 +375,7 @@ NORM = kp_core.op(
     spec=SPEC,
     dtypes=DTYPES,
 )
+
 
 def _add_norm_fake(x, residual, weight, bias, eps, rms, offset, round_n, act):
     return x.new_empty(x.shape, dtype=out_dtype(x, weight, round_n))

@@ -43,8 +43,17 @@ def _inv_rms(sum_sq, N, eps_hi, eps_lo, ACC: tl.constexpr):
 
 
 @triton.jit
-def _affine(n, w, b, X_TY: tl.constexpr, OFFSET: tl.constexpr, ROUND_N: tl.constexpr, HAS_W: tl.constexpr,
-            HAS_B: tl.constexpr, ACC: tl.constexpr):
+def _affine(
+    n,
+    w,
+    b,
+    X_TY: tl.constexpr,
+    OFFSET: tl.constexpr,
+    ROUND_N: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """z = n * (offset + w) + b, with Llama's rounding of n when asked."""
     if ROUND_N:
         n = n.to(X_TY).to(ACC)
@@ -60,9 +69,32 @@ def _affine(n, w, b, X_TY: tl.constexpr, OFFSET: tl.constexpr, ROUND_N: tl.const
 
 @triton.jit
 def _norm_fwd(
-    X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, B, MEAN, RSTD, M, N, eps_hi, eps_lo,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr, OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr,
+    X,
+    stride_x,
+    R,
+    stride_r,
+    S,
+    stride_s,
+    Y,
+    stride_y,
+    W,
+    B,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    eps_hi,
+    eps_lo,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr,
+    HAS_R: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    OFFSET: tl.constexpr,
+    ROUND_N: tl.constexpr,
+    ACT: tl.constexpr,
+    STATS: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """BLOCK_M whole rows held in registers. STATS: store mean and rstd for the backward."""
@@ -94,9 +126,31 @@ def _norm_fwd(
 
 @triton.jit
 def _norm_fwd_looped(
-    X, stride_x, R, stride_r, S, stride_s, Y, stride_y, W, B, MEAN, RSTD, N, eps_hi, eps_lo,
-    BLOCK_N: tl.constexpr, RMS: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr, STATS: tl.constexpr, ACC: tl.constexpr,
+    X,
+    stride_x,
+    R,
+    stride_r,
+    S,
+    stride_s,
+    Y,
+    stride_y,
+    W,
+    B,
+    MEAN,
+    RSTD,
+    N,
+    eps_hi,
+    eps_lo,
+    BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr,
+    HAS_R: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    OFFSET: tl.constexpr,
+    ROUND_N: tl.constexpr,
+    ACT: tl.constexpr,
+    STATS: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """One row too wide for registers (one program per row): a pass for the statistics, a pass to normalise.
     The first pass asks L2 to keep the row, so the second reads it from there.
@@ -151,9 +205,23 @@ def _norm_fwd_looped(
 
 
 @triton.jit
-def _dz_and_n(x, dy, mean, rstd, w, b, mask, X_TY: tl.constexpr, RMS: tl.constexpr, HAS_W: tl.constexpr,
-              HAS_B: tl.constexpr, OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr,
-              ACC: tl.constexpr):
+def _dz_and_n(
+    x,
+    dy,
+    mean,
+    rstd,
+    w,
+    b,
+    mask,
+    X_TY: tl.constexpr,
+    RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    OFFSET: tl.constexpr,
+    ROUND_N: tl.constexpr,
+    ACT: tl.constexpr,
+    ACC: tl.constexpr,
+):
     """n (zero outside the row), the n that multiplied w, and dz = dy * act'(z)."""
     xc = x if RMS else tl.where(mask, x - mean, 0.0)
     n = xc * rstd
@@ -166,10 +234,33 @@ def _dz_and_n(x, dy, mean, rstd, w, b, mask, X_TY: tl.constexpr, RMS: tl.constex
 
 @triton.jit
 def _norm_bwd(
-    DY, stride_dy, DS, stride_ds, X, stride_x, W, B, MEAN, RSTD, DX, stride_dx, DW_PART, DB_PART, M, N,
+    DY,
+    stride_dy,
+    DS,
+    stride_ds,
+    X,
+    stride_x,
+    W,
+    B,
+    MEAN,
+    RSTD,
+    DX,
+    stride_dx,
+    DW_PART,
+    DB_PART,
+    M,
+    N,
     rows_per_program,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RMS: tl.constexpr, HAS_DS: tl.constexpr, HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr, OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr,
+    HAS_DS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    OFFSET: tl.constexpr,
+    ROUND_N: tl.constexpr,
+    ACT: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """Each program walks `rows_per_program` rows, BLOCK_M at a time, and writes one dw/db partial row.
 
@@ -203,8 +294,9 @@ def _norm_bwd(
         row_ok = cur_rows < last
         rstd = tl.load(RSTD + cur_rows, mask=row_ok, other=0.0)[:, None]
         mean = None if RMS else tl.load(MEAN + cur_rows, mask=row_ok, other=0.0)[:, None]
-        n, n_w, dz = _dz_and_n(x, dy, mean, rstd, w, b, cur_mask, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET,
-                               ROUND_N, ACT, ACC)
+        n, n_w, dz = _dz_and_n(
+            x, dy, mean, rstd, w, b, cur_mask, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET, ROUND_N, ACT, ACC
+        )
         dn = dz
         if HAS_W:
             dn = dz * w_eff
@@ -226,10 +318,34 @@ def _norm_bwd(
 
 @triton.jit
 def _norm_bwd_looped(
-    DY, stride_dy, DS, stride_ds, X, stride_x, W, B, MEAN, RSTD, DX, stride_dx, DW_PART, DB_PART, DW_COMP, DB_COMP,
-    M, N, rows_per_program,
-    BLOCK_N: tl.constexpr, RMS: tl.constexpr, HAS_DS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    OFFSET: tl.constexpr, ROUND_N: tl.constexpr, ACT: tl.constexpr, ACC: tl.constexpr,
+    DY,
+    stride_dy,
+    DS,
+    stride_ds,
+    X,
+    stride_x,
+    W,
+    B,
+    MEAN,
+    RSTD,
+    DX,
+    stride_dx,
+    DW_PART,
+    DB_PART,
+    DW_COMP,
+    DB_COMP,
+    M,
+    N,
+    rows_per_program,
+    BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr,
+    HAS_DS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    OFFSET: tl.constexpr,
+    ROUND_N: tl.constexpr,
+    ACT: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """Rows too wide for registers: per row a pass for mean(dn * n) and mean(dn), then a pass for dx. The
     program's dw/db partial rows and their Kahan compensation rows live in memory; only this program touches
@@ -268,8 +384,9 @@ def _norm_bwd_looped(
             dy = tl.load(dy_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(ACC)
             w = tl.load(W + cols, mask=ok, other=0.0).to(ACC) if HAS_W else None
             b = tl.load(B + cols, mask=ok, other=0.0).to(ACC) if HAS_B else None
-            n, n_w, dn = _dz_and_n(x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET,
-                                   ROUND_N, ACT, ACC)
+            n, n_w, dn = _dz_and_n(
+                x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET, ROUND_N, ACT, ACC
+            )
             if HAS_W:
                 dn = dn * (w + OFFSET if OFFSET != 0.0 else w)
             acc_nn += dn * n
@@ -283,18 +400,21 @@ def _norm_bwd_looped(
             dy = tl.load(dy_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(ACC)
             w = tl.load(W + cols, mask=ok, other=0.0).to(ACC) if HAS_W else None
             b = tl.load(B + cols, mask=ok, other=0.0).to(ACC) if HAS_B else None
-            n, n_w, dz = _dz_and_n(x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET,
-                                   ROUND_N, ACT, ACC)
+            n, n_w, dz = _dz_and_n(
+                x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET, ROUND_N, ACT, ACC
+            )
             dn = dz
             if HAS_W:
                 dn = dz * (w + OFFSET if OFFSET != 0.0 else w)
-                t, c = _kahan(tl.load(dw_row + cols, mask=ok, other=0.0), tl.load(dw_comp + cols, mask=ok, other=0.0),
-                              dz * n_w)
+                t, c = _kahan(
+                    tl.load(dw_row + cols, mask=ok, other=0.0), tl.load(dw_comp + cols, mask=ok, other=0.0), dz * n_w
+                )
                 tl.store(dw_row + cols, t, mask=ok)
                 tl.store(dw_comp + cols, c, mask=ok)
             if HAS_B:
-                t, c = _kahan(tl.load(db_row + cols, mask=ok, other=0.0), tl.load(db_comp + cols, mask=ok, other=0.0),
-                              dz)
+                t, c = _kahan(
+                    tl.load(db_row + cols, mask=ok, other=0.0), tl.load(db_comp + cols, mask=ok, other=0.0), dz
+                )
                 tl.store(db_row + cols, t, mask=ok)
                 tl.store(db_comp + cols, c, mask=ok)
             dx = dn - n * c1
@@ -320,15 +440,26 @@ def _sum_rows(PART, programs, N, cols, ok, BLOCK_P: tl.constexpr, ACC: tl.conste
     comp = tl.zeros([cols.shape[0]], dtype=ACC)
     for p0 in range(0, programs, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
-        tile = tl.load(PART + p.to(tl.int64)[:, None] * N + cols[None, :], mask=(p < programs)[:, None] & ok[None, :], other=0.0)
+        tile = tl.load(
+            PART + p.to(tl.int64)[:, None] * N + cols[None, :], mask=(p < programs)[:, None] & ok[None, :], other=0.0
+        )
         total, comp = _kahan(total, comp, tl.sum(tile, axis=0))
     return total - comp
 
 
 @triton.jit
 def _norm_bwd_sum(
-    DW_PART, DB_PART, DW, DB, programs, N,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+    DW_PART,
+    DB_PART,
+    DW,
+    DB,
+    programs,
+    N,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """dw and db from the backward's per-program partials, in the parameters' dtypes."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -20,17 +20,18 @@ from hypothesis import strategies as st
 import kp_conformance as kc
 import kp_core
 import kp_norms
+from kp_conformance.references import gelu64, gelu_tanh64, layer64, rms64, silu64
 from kp_norms.ops import norm as norm_mod
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TIER = kc.current()
 DEVICE = kc.device()
-FWD, BWD = norm_mod.OP, norm_mod.OP_BWD
+FWD, BWD, INPLACE = norm_mod.OP, norm_mod.OP_BWD, norm_mod.OP_INPLACE
 
 kc.declare(
     kc.Spec(
         name="norm",
-        ops=(norm_mod.OP, norm_mod.OP_BWD, norm_mod.OP_INPLACE),
+        ops=("kp::norm", "kp::norm_backward", "kp::add_norm_"),
         reference=(
             "float64 formulas: RMSNorm (Zhang & Sennrich 2019, eq. 4; torch.nn.RMSNorm), Gemma's (1 + w) and "
             "Llama's cast-then-weight RMSNorm (HF modeling_gemma / modeling_llama), LayerNorm (Ba et al. 2016; "
@@ -52,33 +53,6 @@ kc.declare(
         ),
     )
 )
-
-
-# ---- independent float64 references (never call kp) ----
-
-
-def rms64(x, w, eps, offset=0.0):
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y if w is None else y * (offset + w)
-
-
-def layer64(x, w, b, eps):
-    mu = x.mean(-1, keepdim=True)
-    y = (x - mu) / torch.sqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
-    y = y if w is None else y * w
-    return y if b is None else y + b
-
-
-def silu64(z):
-    return z / (1 + torch.exp(-z))
-
-
-def gelu64(z):
-    return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
-
-
-def gelu_tanh64(z):
-    return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
 
 
 # ---- how each model family's own code computes it in low precision ----
@@ -239,13 +213,26 @@ def _grads(fn, case: Case, cotangents):
     return outs, [None if t is None else t.grad for t in leaves]
 
 
-def check_variant(v: Variant, name, dtype, c: Case, with_grads: bool):
+def _assert_path(rec, looped: bool, backward: bool) -> None:
+    """The fused or the looped kernels ran, as the case asked."""
+    suffix = "_looped" if looped else ""
+    assert rec.kernels(FWD) == {f"_norm_fwd{suffix}"}, f"expected the {suffix or 'fused'} forward, ran {rec.launches}"
+    if backward:
+        assert f"_norm_bwd{suffix}" in rec.kernels(BWD), (
+            f"expected the {suffix or 'fused'} backward, ran {rec.launches}"
+        )
+
+
+def check_variant(v: Variant, name, dtype, c: Case, with_grads: bool, looped: bool | None = None):
+    """One case by the rule; `looped`: which kernels must have run (default: the ones the row width selects)."""
+    looped = c.x.shape[-1] > kp_core.MAX_FUSED_COLS if looped is None else looped
     e = effective_eps(c.eps, dtype)
     if not with_grads:
         with kp_core.record_launches() as rec:
             ours = v.ours(*c.inputs(), c.eps)
         if c.x.numel():
             kc.assert_kernel_ran(rec, FWD)
+            _assert_path(rec, looped, backward=False)
         ref = v.ref(*c.double(), e)
         low = v.lowp(*c.inputs(), c.eps if c.eps is not None else None)
         for i, (a, r64, lo) in enumerate(zip(ours, ref, low)):
@@ -261,6 +248,7 @@ def check_variant(v: Variant, name, dtype, c: Case, with_grads: bool):
         _, ours = _grads(lambda *a: v.ours(*a), c, cot)
     if c.x.numel():
         kc.assert_kernel_ran(rec, FWD, BWD)
+        _assert_path(rec, looped, backward=True)
     c64 = Case(*c.double(), e)
     _, ref = _grads(lambda *a: v.ref(*a), c64, [t.double() for t in cot])
     _, low = _grads(lambda *a: v.lowp(*a), c, cot)
@@ -269,15 +257,27 @@ def check_variant(v: Variant, name, dtype, c: Case, with_grads: bool):
             kc.check_close(f"{name} {label}", a, r64, lo, lo.dtype)
 
 
-def check_drawn_cases(name, dtype, with_grads: bool):
-    """check_variant on the tier's Hypothesis draws (as many as EXAMPLES gives this variant)."""
+def looped_path(n: int):
+    """Pins the row kernels to their looped (wide-row) form for rows of n columns: every width, every tier, reaches
+    the looped kernels with whatever switches the case has, in chunks of at most a third of the row (so chunks
+    merge), at least 16 columns."""
+    return kp_core.pinned("row_config", max_fused_cols=0, loop_block_cols=max(16, kp_core.next_power_of_2(-(-n // 3))))
+
+
+def check_drawn_cases(name, dtype, with_grads: bool, looped: bool):
+    """check_variant on the tier's Hypothesis draws (as many as EXAMPLES gives this variant), through the fused
+    kernels as the row width picks them, or every row through the looped kernels."""
     kc.skip_if_not_covered(dtype)
 
-    @settings(max_examples=EXAMPLES[name])
+    @settings(max_examples=EXAMPLES[name] if not looped else max(3, EXAMPLES[name] // 2))
     @given(**case)
     def run(shape, layout, affine, eps, scale, seed):
         c = make_case(VARIANTS[name], shape[0], dtype, layout, affine, eps, scale, seed)
-        check_variant(VARIANTS[name], name, dtype, c, with_grads=with_grads)
+        if looped:
+            with looped_path(c.x.shape[-1]):
+                check_variant(VARIANTS[name], name, dtype, c, with_grads=with_grads, looped=True)
+        else:
+            check_variant(VARIANTS[name], name, dtype, c, with_grads=with_grads)
 
     run()
 
@@ -290,13 +290,25 @@ def cells(prop, names=NAMES):
 @pytest.mark.parametrize("name", cells("values"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_values(name, dtype):
-    check_drawn_cases(name, dtype, with_grads=False)
+    check_drawn_cases(name, dtype, with_grads=False, looped=False)
 
 
 @pytest.mark.parametrize("name", cells("gradients"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_gradients(name, dtype):
-    check_drawn_cases(name, dtype, with_grads=True)
+    check_drawn_cases(name, dtype, with_grads=True, looped=False)
+
+
+@pytest.mark.parametrize("name", cells("values, looped kernels"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_values_looped(name, dtype):
+    check_drawn_cases(name, dtype, with_grads=False, looped=True)
+
+
+@pytest.mark.parametrize("name", cells("gradients, looped kernels"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_gradients_looped(name, dtype):
+    check_drawn_cases(name, dtype, with_grads=True, looped=True)
 
 
 FIXED_SHAPES = [(7, 33), (3, 5, 257), (2, 16385)]
@@ -341,7 +353,8 @@ def test_in_place(name, dtype):
             x0 = c.x.clone()
             with torch.no_grad(), kp_core.record_launches() as rec:
                 y, s = call(c.x, r, c.w)
-            kc.assert_kernel_ran(rec, FWD)
+            # The in-place op writes into residual where a (rows, N) view of it exists; else kp::norm and a copy.
+            kc.assert_kernel_ran(rec, FWD if layout == "transposed" else INPLACE)
             assert s is r or call is compiled, "in_place must return the residual tensor itself"
             assert torch.equal(r, s_ref) and torch.equal(y, y_ref), "in-place result differs from out-of-place"
             assert torch.equal(c.x, x0), "input was modified"
@@ -539,16 +552,18 @@ def test_opcheck(dtype):
         flags = (1e-5, rms, offset, round_n, act)
         with kp_core.record_launches() as rec:
             bg = None if b is None else b.clone().requires_grad_()
-            torch.library.opcheck(norm_mod.norm_op, (x, r, w, bg, *flags))
+            torch.library.opcheck(norm_mod.NORM.op, (x, r, w, bg, *flags, True))
             r = None if r is None else r.detach()
-            y, s, mean, rstd = norm_mod.norm_op(x.detach(), r, w.detach(), b, *flags)
+            y, s, mean, rstd = norm_mod.NORM.op(x.detach(), r, w.detach(), b, *flags, True)
             dy = kc.make_input((37, 130), y.dtype, DEVICE, layout, seed=i + 4)
             ds = kc.make_input((37, 130), dtype, DEVICE, layout, seed=i + 5) if has_r else None
             src = s if has_r else x.detach()
-            torch.library.opcheck(norm_mod.norm_backward_op, (dy, ds, src, w.detach(), b, mean, rstd, *flags))
+            backward_args = (dy, ds, src, w.detach(), b, mean, rstd, *flags, True)
+            torch.library.opcheck(norm_mod.NORM.backward_op, backward_args)
             if has_r:
                 res = r.detach().clone()
-                torch.library.opcheck(norm_mod.add_norm_inplace_op, (x.detach(), res, w.detach(), b, *flags))
+                torch.library.opcheck(norm_mod.ADD_NORM_.op, (x.detach(), res, w.detach(), b, *flags))
+                kc.assert_kernel_ran(rec, INPLACE)
         kc.assert_kernel_ran(rec, FWD, BWD)
 
 

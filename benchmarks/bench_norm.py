@@ -1,8 +1,8 @@
 """Row norms: kp vs the anchors (eager formula, native F.*, torch.compile, Liger-Kernel) in one run.
 
-    python benchmarks/bench_norms.py                    # every kernel: headline shapes + N sweep
-    python benchmarks/bench_norms.py --kernels layer_norm add_rms_norm --no-sweep
-    python benchmarks/bench_norms.py --tune             # sweep kp's launch settings on the headline shapes
+    python benchmarks/bench_norm.py                    # every kernel: headline shapes + N sweep
+    python benchmarks/bench_norm.py --kernels layer_norm add_rms_norm --no-sweep
+    python benchmarks/bench_norm.py --tune             # sweep kp's launch settings on the headline shapes
 
 GB/s counts the bytes the op must move (DESIGN.md's conventions), in bf16:
     norm forward 2*M*N*2 (read x, write y); forward+backward 5*M*N*2 (adds read x, read dy, write dx);
@@ -22,8 +22,8 @@ import harness
 import torch
 import torch.nn.functional as F
 
+import kp_core
 import kp_norms
-from kp_norms.ops import norm as norm_mod
 
 DTYPE = torch.bfloat16
 EPS = 1e-6
@@ -177,19 +177,18 @@ def overhead_us(fn, n: int = 4096, rows: int = 8, iters: int = 200) -> dict:
 
 
 def tune(kinds) -> None:
-    default_per_sm = norm_mod.PROGRAMS_PER_SM
+    """Sweep rows per program and warps of the fused kernels (and programs per SM of the backward) with
+    kp_core.pin, on the headline shapes."""
     for kind, (m, n), mode in itertools.product(kinds, HEADLINE, ("fwd", "fwd+bwd")):
+        kernel = "_norm_fwd" if mode == "fwd" else "_norm_bwd"
         results = []
         for rows, warps, per_sm in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 4) if mode != "fwd" else (1,)):
             if rows * n > 32768:
                 continue
-            norm_mod.CONFIG_OVERRIDE.clear()
-            norm_mod.CONFIG_OVERRIDE[norm_mod.OP if mode == "fwd" else norm_mod.OP_BWD] = (rows, warps)
-            norm_mod.PROGRAMS_PER_SM = per_sm
+            kp_core.pin(kernel, block_rows=rows, num_warps=warps, programs_per_sm=per_sm)
             ms = measure(providers(kind, n)["kp"], m, n, mode, graph=True)
             results.append((gbps(kind, m, n, mode, ms), rows, warps, per_sm))
-        norm_mod.CONFIG_OVERRIDE.clear()
-        norm_mod.PROGRAMS_PER_SM = default_per_sm
+        kp_core.unpin(kernel)
         print(f"tune {kind} {m}x{n} {mode}: best GB/s, block_rows, num_warps, programs/SM")
         for r in sorted(results, reverse=True)[:4]:
             print(f"   {r[0]:7.0f}  {r[1]}  {r[2]:2d}  {r[3]}")

@@ -1,0 +1,161 @@
+"""KV-cache decoding: kp.flash_attention_with_kvcache vs SDPA's FlashAttention-2 and cuDNN backends, one run.
+
+    python benchmarks/bench_decode.py            # writes results/<device>/decode.{json,md,png}
+    python benchmarks/bench_decode.py --tune     # sweep kp's split-kernel settings on B16 L32768, print the best
+
+q length 1, Hq 32 / Hkv 8, D 128, bf16. GB/s count the K and V bytes read (what bounds decoding). kp reads the
+cache in its (B, S, H, D) layout; SDPA gets (B, H, S, D) transposed views of the same tensors. kp is timed with
+its default value check of cache_seqlens (one device sync a call) and without it (VALIDATE_VALUES = False, what a
+serving loop that guarantees the lengths sets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import harness
+import kp_attention
+import torch
+import torch.nn.functional as F
+from kp_attention.ops import decode as decode_mod
+
+import kp_core
+
+DTYPE = torch.bfloat16
+HEAD_DIM, HQ, HKV = 128, 32, 8
+CASES = [(1, 8192), (1, 32768), (16, 32768), (64, 8192)]
+
+
+def _sdpa(backend, q, k, v):
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+
+
+def _kp_unchecked(q, k, v, seqlens):
+    decode_mod.VALIDATE_VALUES = False
+    try:
+        return kp_attention.flash_attention_with_kvcache(q, k, v, seqlens)
+    finally:
+        decode_mod.VALIDATE_VALUES = True
+
+
+def inputs(b: int, length: int):
+    q = torch.randn(b, 1, HQ, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(b, length, HKV, HEAD_DIM, device="cuda", dtype=DTYPE)
+    return q, k, torch.randn_like(k), torch.full((b,), length, dtype=torch.int32, device="cuda")
+
+
+def check_correct(q, k, v, seqlens) -> None:
+    """Before timing: kp agrees with SDPA in fp32 (bf16 rounding; the conformance suite judges the numerics)."""
+    ours = kp_attention.flash_attention_with_kvcache(q, k, v, seqlens).float()
+    ref = _sdpa_math(q.float(), k.float(), v.float())
+    err = (ours - ref).abs().max().item()
+    assert err < 2e-2, f"kp decode wrong: max err {err}"
+
+
+def _sdpa_math(q, k, v):
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
+    ).transpose(1, 2)
+
+
+def run() -> list[dict]:
+    from torch.nn.attention import SDPBackend
+
+    rows = []
+    for b, length in harness.progress(CASES, "decode"):
+        q, k, v, seqlens = inputs(b, length)
+        check_correct(q, k, v, seqlens)
+        nbytes = 2 * k.numel() * k.element_size()
+        fns = {
+            "kp": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens),
+            "kp (no value check)": functools.partial(_kp_unchecked, q, k, v, seqlens),
+            "sdpa flash": functools.partial(_sdpa, SDPBackend.FLASH_ATTENTION, q, k, v),
+            "sdpa cudnn": functools.partial(_sdpa, SDPBackend.CUDNN_ATTENTION, q, k, v),
+        }
+        for name, fn in fns.items():
+            try:
+                with torch.no_grad():
+                    ms = harness.bench_ms(fn)
+            except Exception as e:  # an anchor without this case: recorded as missing
+                print(f"{name} decode failed at B{b} L{length}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            rows.append(dict(B=b, L=length, Hq=HQ, Hkv=HKV, provider=name, ms=ms, gbps=nbytes / ms / 1e6))
+    return rows
+
+
+def render(meta: dict, rows: list[dict]) -> str:
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    lines = [
+        f"# KV-cache decode, bf16, D {HEAD_DIM}, q length 1, Hq {HQ} / Hkv {HKV}, {meta['device']}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}. Cells: GB/s of K + V read (do_bench median).",
+        "",
+        "| B | cache length | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for b, length in CASES:
+        by = {r["provider"]: r for r in rows if (r["B"], r["L"]) == (b, length)}
+        lines.append(
+            f"| {b} | {length} | " + " | ".join(f"{by[p]['gbps']:.0f}" if p in by else "-" for p in names) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], meta: dict, path) -> None:
+    import matplotlib.pyplot as plt
+
+    labels = [f"B{b} L{length}" for b, length in CASES]
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        by = {(r["B"], r["L"]): r["gbps"] for r in rows if r["provider"] == name}
+        ax.bar([x + i * width for x in range(len(CASES))], [by.get(c, 0) for c in CASES], width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(CASES))], labels)
+    ax.set_ylabel("GB/s of K + V")
+    ax.set_title(f"decode, bf16, {meta['device']}")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def tune() -> None:
+    q, k, v, seqlens = inputs(16, 32768)
+    results = []
+    for cfg in [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]:
+        kp_core.pin("_decode_split", block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+        try:
+            ms = harness.bench_ms(functools.partial(_kp_unchecked, q, k, v, seqlens))
+        except Exception as e:  # out of shared memory, or a compile failure: reported, skipped
+            print(f"  decode {cfg}: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        results.append((2 * k.numel() * k.element_size() / ms / 1e6, cfg))
+    kp_core.unpin("_decode_split")
+    print("tune decode B16 L32768: best GB/s (BLOCK_N, warps, stages)")
+    for gbps, cfg in sorted(results, reverse=True)[:4]:
+        print(f"   {gbps:6.0f}  {cfg}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tune", action="store_true")
+    args = parser.parse_args()
+    harness.require_gpu()
+    if args.tune:
+        tune()
+        return
+    rows = run()
+    meta = {"kernel": "decode", "dtype": "bfloat16", "head_dim": HEAD_DIM, **harness.versions()}
+    md = render(meta, rows)
+    out = harness.write_results("decode", meta, rows, md, lambda path: plot(rows, meta, path))
+    print(md)
+    print(f"wrote {out}/decode.*")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Conformance spec for kp-attention's KV-cache decoding (kp::flash_attention_with_kvcache), against the float64
+reference of kp_conformance.references.decode: each sequence's valid cache rows (gathered through block_table
+when paged), kv heads repeated for GQA, scale, softcap c * tanh(s / c), the causal diagonal bottom-right and the
+window about it, softmax, @ V. PyTorch's baseline is the same per-sequence computation by attention_lowp (SDPA,
+or Hugging Face's eager attention with softcap). Rows that see no key are 0 with lse -inf."""
+
+import math
+
+import kp_attention
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kp_attention.ops import decode as decode_mod
+
+import kp_conformance as kc
+import kp_core
+from kp_conformance.references import attention64, attention_lowp, decode, lse_lowp
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TIER = kc.current()
+DEVICE = kc.device()
+OP = "kp::flash_attention_with_kvcache"
+EXAMPLES = 6 if kc.interpreting() else TIER.max_examples
+
+kc.declare(
+    kc.Spec(
+        name="decode",
+        ops=(OP,),
+        reference=(
+            "softmax(scale * q K^T) V over each sequence's cached keys in float64 (Vaswani et al. 2017, eq. 1), "
+            "paged rows gathered through block_table, causal diagonal bottom-right (FlashAttention's "
+            "flash_attn_with_kvcache), window, GQA by repeating kv heads, softcap c * tanh(s / c)"
+        ),
+        dtypes=DTYPES,
+        properties=("values", "switches", "append", "opcheck", "compile"),
+    )
+)
+
+
+def rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=DEVICE)
+
+
+def make_cache(batch, capacity, hkv, d, dtype, paged, seed, page=32):
+    """(k_cache, v_cache, block_table): paged caches get shuffled pages plus spare ones."""
+    if not paged:
+        return (
+            rand(batch, capacity, hkv, d, dtype=dtype, seed=seed),
+            rand(batch, capacity, hkv, d, dtype=dtype, seed=seed + 1),
+            None,
+        )
+    per_seq = -(-capacity // page)
+    num_blocks = batch * per_seq + 3
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed + 2))
+    bt = order[: batch * per_seq].view(batch, per_seq).to(torch.int32).to(DEVICE)
+    return (
+        rand(num_blocks, page, hkv, d, dtype=dtype, seed=seed),
+        rand(num_blocks, page, hkv, d, dtype=dtype, seed=seed + 1),
+        bt,
+    )
+
+
+def check(name, out, lse, q, k_cache, v_cache, lens, dtype, **kw):
+    ref, ref_lse = decode(attention64, q, k_cache, v_cache, lens, **kw)
+    kc.check_close(f"{name} out", out, ref, decode(attention_lowp, q, k_cache, v_cache, lens, **kw), dtype)
+    assert torch.equal(lse.isinf().cpu(), ref_lse.isinf().cpu()), f"{name}: rows with no visible key differ"
+    fin = ~ref_lse.isinf()
+    low_lse = decode(lambda q, k, v, **a: lse_lowp(q, k, **a), q, k_cache, v_cache, lens, **kw)
+    kc.check_close(f"{name} lse", lse[fin], ref_lse[fin], low_lse[fin], torch.float32)
+
+
+@st.composite
+def decode_cases(draw):
+    hkv = draw(st.sampled_from((1, 2)))
+    causal = draw(st.booleans())
+    return dict(
+        batch=draw(st.integers(1, 3)),
+        sq=draw(st.sampled_from((1, 1, 2, 5))),
+        hq=hkv * draw(st.sampled_from((1, 4))),
+        hkv=hkv,
+        d=draw(st.sampled_from((16, 59, 64, 128) if DEVICE.type == "cuda" else (16, 59, 64))),
+        capacity=draw(st.sampled_from((64, 97, 256))),
+        paged=draw(st.booleans()),
+        causal=causal,
+        window=draw(st.sampled_from(((-1, -1), (24, -1)) if causal else ((-1, -1), (24, 3)))),
+        softcap=draw(st.sampled_from((0.0, 0.0, 15.0))),
+        splits=draw(st.sampled_from((0, 1, 3))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def run_case(c, dtype, **extra):
+    """kp's call on drawn cache lengths (empty, short, full), checked by the rule; returns the launch record."""
+    k_cache, v_cache, bt = make_cache(c["batch"], c["capacity"], c["hkv"], c["d"], dtype, c["paged"], c["seed"])
+    q = rand(c["batch"], c["sq"], c["hq"], c["d"], dtype=dtype, seed=c["seed"] + 5)
+    lens = [(0, 7, c["capacity"])[b % 3] for b in range(c["batch"])]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    kw = dict(block_table=bt, causal=c["causal"], window=c["window"], softcap=c["softcap"])
+    with kp_core.record_launches() as rec:
+        out, lse = kp_attention.flash_attention_with_kvcache(
+            q, k_cache, v_cache, seqlens, num_splits=c["splits"], return_lse=True, **kw, **extra
+        )
+    kc.assert_kernel_ran(rec, OP)
+    check(str(c), out, lse, q, k_cache, v_cache, lens, dtype, **kw)
+    return rec
+
+
+@pytest.mark.conformance(kernel="flash_attention_with_kvcache", prop="values")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@settings(max_examples=EXAMPLES)
+@given(c=decode_cases())
+def test_values(dtype, c):
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    run_case(c, dtype)
+
+
+BASE = dict(
+    batch=3,
+    sq=2,
+    hq=4,
+    hkv=2,
+    d=59,
+    capacity=97,
+    paged=False,
+    causal=True,
+    window=(-1, -1),
+    softcap=0.0,
+    splits=1,
+    seed=11,
+)
+# Each compile-time switch of the split kernel, and the combine kernel, reached in every tier.
+SWITCHES = [
+    ("contiguous cache, one split (ONE_SPLIT)", {}),
+    ("paged cache (PAGED), splits combined", {"paged": True, "splits": 3}),
+    ("window left (HAS_LEFT)", {"window": (24, -1)}),
+    ("non-causal, window right (HAS_RIGHT)", {"causal": False, "window": (-1, 3)}),
+    ("non-causal, no window", {"causal": False}),
+    ("softcap (SOFTCAP)", {"softcap": 15.0, "splits": 2}),
+    ("full head dim", {"d": 64, "splits": 0}),
+]
+
+
+@pytest.mark.conformance(kernel="flash_attention_with_kvcache", prop="switches")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@pytest.mark.parametrize("what,change", SWITCHES, ids=[s[0] for s in SWITCHES])
+def test_every_switch(dtype, what, change):
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    c = dict(BASE, **change)
+    with kp_core.pinned("_decode_split", block_n=16, num_warps=4, num_stages=2):  # several key blocks per split
+        rec = run_case(c, dtype)
+    if c["splits"]:  # explicit: one split writes the output itself, several are merged by the combine kernel
+        assert (rec.count(OP, kernel="_decode_combine") > 0) == (c["splits"] > 1), rec.launches
+
+
+@pytest.mark.conformance(kernel="flash_attention_with_kvcache", prop="append")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_new_tokens_are_written_into_the_cache(dtype, paged):
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    lens, new = [0, 20, 45], 3
+    k_cache, v_cache, bt = make_cache(3, 64, 2, 32, dtype, paged, seed=15)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q = rand(3, new, 4, 32, dtype=dtype, seed=16)
+    k_new, v_new = rand(3, new, 2, 32, dtype=dtype, seed=17), rand(3, new, 2, 32, dtype=dtype, seed=18)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    with kp_core.record_launches() as rec:
+        out, lse = kp_attention.flash_attention_with_kvcache(
+            q, k_cache, v_cache, seqlens, k=k_new, v=v_new, block_table=bt, return_lse=True
+        )
+    kc.assert_kernel_ran(rec, OP)
+    assert seqlens.tolist() == lens, "cache_seqlens must not change"
+    k_exp, v_exp = k0.clone(), v0.clone()
+    page = k_cache.shape[1]
+    for b, n in enumerate(lens):
+        for t in range(new):
+            where = (b, n + t) if bt is None else (int(bt[b, (n + t) // page]), (n + t) % page)
+            k_exp[where], v_exp[where] = k_new[b, t], v_new[b, t]
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp), "cache not updated exactly in place"
+    check("appended", out, lse, q, k_cache, v_cache, [n + new for n in lens], dtype, block_table=bt)
+
+
+@pytest.mark.conformance(kernel="flash_attention_with_kvcache", prop="opcheck")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_opcheck(dtype):
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    k_cache, v_cache, _ = make_cache(2, 32, 2, 16, dtype, False, seed=19)
+    pk, pv, bt = make_cache(2, 32, 2, 16, dtype, True, seed=23, page=16)
+    q = rand(2, 1, 4, 16, dtype=dtype, seed=20)
+    k_new, v_new = rand(2, 1, 2, 16, dtype=dtype, seed=21), rand(2, 1, 2, 16, dtype=dtype, seed=22)
+    seqlens = torch.tensor([5, 31], dtype=torch.int32, device=DEVICE)
+    scale = 1 / math.sqrt(16)
+    with kp_core.record_launches() as rec:
+        torch.library.opcheck(
+            decode_mod.KVCACHE.op, (q, k_cache, v_cache, seqlens, k_new, v_new, None, True, -1, -1, 0.0, scale, 2)
+        )
+        torch.library.opcheck(decode_mod.KVCACHE.op, (q, pk, pv, seqlens, None, None, bt, True, 4, -1, 2.0, scale, 0))
+    kc.assert_kernel_ran(rec, OP)
+
+
+@pytest.mark.conformance(kernel="flash_attention_with_kvcache", prop="compile")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_compile_fullgraph_equals_eager(dtype):
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    torch._dynamo.reset()
+
+    def step(q, k_cache, v_cache, seqlens, k, v):
+        return kp_attention.flash_attention_with_kvcache(
+            q * 1, k_cache, v_cache, seqlens, k=k, v=v, window=(10, -1), return_lse=True
+        )
+
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        k_cache, v_cache, _ = make_cache(2, 32, 1, 32, dtype, False, seed=24)
+        q = rand(2, 2, 4, 32, dtype=dtype, seed=25)
+        k_new, v_new = rand(2, 2, 1, 32, dtype=dtype, seed=26), rand(2, 2, 1, 32, dtype=dtype, seed=27)
+        seqlens = torch.tensor([3, 20], dtype=torch.int32, device=DEVICE)
+        with kp_core.record_launches() as rec:
+            out, lse = fn(q, k_cache, v_cache, seqlens, k_new, v_new)
+        kc.assert_kernel_ran(rec, OP)
+        results.append((out, lse, k_cache, v_cache))
+    for a, b in zip(*results):  # the same kernels either way (q * 1 is exact)
+        assert torch.equal(a, b)

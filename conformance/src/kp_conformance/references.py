@@ -1,0 +1,140 @@
+"""The independent references, one per op, written from the maths in plain PyTorch (never calling kp).
+
+Each op has a float64 ground truth (`*64`) and "PyTorch in the low precision" (`*_lowp`): the same computation as
+PyTorch (or the model family's own code) runs it in the input's dtype. The tolerance rule
+(kp_conformance.check_close) judges kp by both. The conformance specs and the packages' own tests share them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# ---- norms and activations ----
+
+
+def rms64(x, w, eps, offset=0.0):
+    """RMSNorm (Zhang & Sennrich 2019, eq. 4; torch.nn.RMSNorm), Gemma's weight offset (1 + w)."""
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * (offset + w)
+
+
+def layer64(x, w, b, eps):
+    """LayerNorm (Ba et al. 2016; torch.nn.LayerNorm), biased variance."""
+    mu = x.mean(-1, keepdim=True)
+    y = (x - mu) / torch.sqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
+    y = y if w is None else y * w
+    return y if b is None else y + b
+
+
+def silu64(z):
+    return z / (1 + torch.exp(-z))
+
+
+def gelu64(z):
+    return 0.5 * z * (1 + torch.erf(z / math.sqrt(2)))
+
+
+def gelu_tanh64(z):
+    """GELU's tanh form (Hendrycks & Gimpel 2016; torch.nn.GELU(approximate="tanh"))."""
+    return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))
+
+
+# ---- attention ----
+
+
+def allowed(sq: int, sk: int, causal: bool, window, device, top_left: bool = False) -> torch.Tensor:
+    """(sq, sk) bool: query i may see key j. The diagonal is i + sk - sq (bottom-right, FlashAttention >= 2.1), or
+    i (top-left, torch's is_causal); window (left, right) bounds keys about it (-1: unbounded); causal sets
+    right = min(right, 0)."""
+    off = 0 if top_left else sk - sq
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if left >= 0:
+        ok &= j >= i + off - left
+    if right >= 0:
+        ok &= j <= i + off + right
+    return ok
+
+
+def _scores(q, k, scale, softcap):
+    """(B, Hq, Sq, Sk) scores of (B, S, H, D) tensors, kv heads repeated for GQA (Ainslie et al. 2023)."""
+    hq, hkv = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    return softcap * torch.tanh(s / softcap) if softcap > 0 else s
+
+
+def _masked(s, q, k, causal, window, mask, top_left):
+    ok = allowed(q.shape[1], k.shape[1], causal, window, q.device, top_left)
+    if mask is not None and mask.dtype == torch.bool:
+        ok = ok & mask
+    elif mask is not None:
+        s = s + mask.to(s.dtype)
+    return s.masked_fill(~ok, float("-inf"))
+
+
+def attention64(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False):
+    """softmax(scale * Q K^T + mask) V (Vaswani et al. 2017, eq. 1) in float64 on (B, S, H, D) tensors; softcap
+    c * tanh(s / c) (Gemma 2 report). Returns (out, lse); rows with no visible key give 0 and -inf."""
+    q, k, v = (t.double() for t in (q, k, v))
+    s = _masked(_scores(q, k, scale, softcap), q, k, causal, window, mask, top_left)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def attention_lowp(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False):
+    """PyTorch in the input's precision: SDPA with the mask made explicit, or with softcap (which SDPA lacks)
+    Hugging Face's eager attention (scores in the input dtype, softmax in fp32). Fully masked rows: 0."""
+    if k.shape[1] == 0:
+        return q.new_zeros(q.shape)
+    if softcap > 0:
+        s = _masked(_scores(q, k, scale, softcap), q, k, causal, window, mask, top_left)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        vr = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+        return torch.einsum("bhqk,bkhd->bqhd", p, vr).nan_to_num(0.0)
+    ok = allowed(q.shape[1], k.shape[1], causal, window, q.device, top_left)
+    if mask is None or mask.dtype == torch.bool:
+        attn = ok if mask is None else ok & mask
+    else:
+        attn = mask.to(q.dtype).masked_fill(~ok, float("-inf"))
+    hq = q.shape[2]
+    k, v = (t.repeat_interleave(hq // t.shape[2], dim=2) for t in (k, v))
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=attn, scale=scale)
+    return out.transpose(1, 2).nan_to_num(0.0)  # SDPA's fully masked rows are NaN; kp's are defined as 0
+
+
+def lse_lowp(q, k, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False):
+    """lse has no PyTorch counterpart: its baseline is logsumexp (fp32) of the scores PyTorch forms in q's dtype."""
+    s = _masked(_scores(q, k, scale, softcap), q, k, causal, window, mask, top_left)
+    return torch.logsumexp(s.float(), dim=-1)
+
+
+def kvcache_rows(cache: torch.Tensor, b: int, n: int, block_table=None) -> torch.Tensor:
+    """(1, n, H, D): the first n tokens of sequence b of a (B, S_max, H, D) or paged (blocks, page, H, D) cache."""
+    if block_table is None:
+        return cache[b : b + 1, :n]
+    page = cache.shape[1]
+    j = torch.arange(n, device=cache.device)
+    return cache[block_table[b].long()[j // page], j % page][None]
+
+
+def decode(attention, q, k_cache, v_cache, lens, *, block_table=None, causal=True, window=(-1, -1), **kw):
+    """KV-cache attention by `attention` (attention64 or attention_lowp) one sequence at a time: sequence b's
+    queries attend its first lens[b] cached keys, the diagonal bottom-right. Returns what `attention` returns,
+    concatenated over the batch (out; and lse for attention64)."""
+    results = []
+    for b, n in enumerate(lens):
+        kb, vb = (kvcache_rows(c, b, n, block_table) for c in (k_cache, v_cache))
+        results.append(attention(q[b : b + 1], kb, vb, causal=causal, window=window, **kw))
+    if isinstance(results[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*results))
+    return torch.cat(results)

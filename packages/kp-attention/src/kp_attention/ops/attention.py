@@ -1,0 +1,520 @@
+"""FlashAttention ops: launch settings, launchers, the PyTorch reference and the two op declarations.
+
+kp::flash_attention takes dense (B, S, H, D) tensors with any strides, (B, H, S, D) views (SDPA) included, and an
+optional mask; kp::flash_attention_varlen takes packed (total, H, D) tensors with cu_seqlens. One launcher pair
+serves both; the maths and the kernels are in kp_attention.ops.attention_kernels.
+
+fp16/bf16 use tensor-core dots with fp32 accumulation; fp32 inputs use `input_precision="ieee"` dots (exact fp32
+products, no TF32), a correctness path rather than a fast one.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import torch
+
+import kp_core
+
+if kp_core.has_triton():
+    from kp_attention.ops import attention_kernels as kernels
+
+OP = "kp::flash_attention"
+OP_BWD = f"{OP}_backward"
+OP_VARLEN = "kp::flash_attention_varlen"
+OP_VARLEN_BWD = f"{OP_VARLEN}_backward"
+PACKAGE = "kp-attention"
+SPEC = "attention"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+# Eager varlen calls check cu_seqlens' values (one host sync); set False to skip (values are then trusted).
+VALIDATE_CU_SEQLENS = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """Everything but the tensors: the structural mask, the score transform, and the layout."""
+
+    scale: float
+    softcap: float = 0.0
+    window_left: int = -1  # -1: unbounded
+    window_right: int = -1
+    bottom_right: bool = True  # diagonal offset Sk - Sq (FlashAttention) or 0 (torch's is_causal)
+    max_seqlen_q: int = 0  # varlen only
+    max_seqlen_k: int = 0
+
+
+# Tile settings per kernel: (block_m, block_n, num_warps, num_stages). GPU values for fp16/bf16 were chosen so
+# ptxas (sm_90a) reports no or few spills (bytes spilled: D64 0/4/0, D128 0/152/0, D256 30/248/84 for fwd/dkdv/dq).
+_HALF = {
+    64: {"_attn_fwd": (128, 64, 4, 3), "_attn_bwd_dkdv": (32, 128, 8, 3), "_attn_bwd_dq": (128, 32, 8, 3)},
+    128: {"_attn_fwd": (128, 64, 8, 3), "_attn_bwd_dkdv": (32, 64, 8, 3), "_attn_bwd_dq": (64, 32, 4, 3)},
+    256: {"_attn_fwd": (128, 32, 8, 2), "_attn_bwd_dkdv": (32, 32, 8, 2), "_attn_bwd_dq": (64, 32, 8, 2)},
+}
+
+
+def _tiles(kernel: str, block_d: int, element_size: int, device: torch.device) -> dict:
+    return _tiles_for(kernel, block_d, element_size, device.type, kp_core.tuning.generation())
+
+
+@functools.lru_cache(maxsize=256)
+def _tiles_for(kernel: str, block_d: int, element_size: int, device_type: str, _generation: int) -> dict:
+    """Launch settings of one kernel; `kp_core.pin(kernel, block_m=.., ...)` overrides them (benchmark sweeps).
+    The interpreter gets small tiles, so tests cross several block boundaries quickly."""
+    if device_type != "cuda":
+        tile = (32, 32, 4, 1)
+    elif kernel == "_attn_bwd_preprocess":
+        tile = (64, 1, 4, 1)
+    elif element_size == 4:  # fp32: twice the bytes per tile, no fp32 tensor cores
+        small = block_d > 128
+        tile = {
+            "_attn_fwd": (32 if small else 64, 32, 4, 2),
+            "_attn_bwd_dkdv": (16, 32 if small else 64, 4, 1),
+            "_attn_bwd_dq": (32 if small else 64, 16 if small else 32, 4, 1),
+        }[kernel]
+    else:
+        tile = _HALF[64 if block_d <= 64 else 128 if block_d <= 128 else 256][kernel]
+    return kp_core.settings(kernel, **dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tile)))
+
+
+def _block_d(d: int) -> int:
+    return max(16, kp_core.next_power_of_2(d))  # tl.dot needs K >= 16
+
+
+def _bshd(t: torch.Tensor, varlen: bool) -> tuple:
+    """(batch, seq, head, dim) strides; packed varlen tensors have no batch stride."""
+    return (0, *t.stride()) if varlen else tuple(t.stride())
+
+
+def _mask_args(mask: Optional[torch.Tensor], b: int, h: int, sq: int, sk: int):
+    """(tensor, 4 broadcast strides, kind): kind 0 none, 1 boolean (read as uint8), 2 additive float."""
+    if mask is None:
+        return None, (0, 0, 0, 0), 0
+    m = mask.expand(b, h, sq, sk)
+    kind = 1 if m.dtype == torch.bool else 2
+    if kind == 1:
+        m = m.view(torch.uint8)
+    return m, tuple(m.stride()), kind
+
+
+def _score_args(p: Params, dtype: torch.dtype) -> tuple[float, float, float]:
+    """(qk_scale, sc_in, sc_out): the scale in the scores' units (base 2, natural for fp32: attention_kernels._exp),
+    and the softcap constants of attention_kernels._scores."""
+    unit = 1.0 if dtype == torch.float32 else kp_core.LOG2E
+    if p.softcap > 0:
+        return p.scale * unit, 2.0 * kp_core.LOG2E * p.scale / p.softcap, p.softcap * unit
+    return p.scale * unit, 1.0, 1.0
+
+
+def _structure(p: Params, q, k, cu_q):
+    """(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, varlen) of a call."""
+    if cu_q is not None:
+        return cu_q.shape[0] - 1, p.max_seqlen_q, p.max_seqlen_k, q.shape[1], k.shape[1], q.shape[2], True
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], False
+
+
+def _lse_empty(q, b, hq, sq, varlen):
+    return q.new_empty((hq, q.shape[0]) if varlen else (b, hq, sq), dtype=torch.float32)
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    return (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+
+
+def _switches(p: Params, d: int, varlen: bool, mask_kind: int, dtype: torch.dtype, tiles: dict) -> dict:
+    """The kernels' compile-time switches in their signature order (one compiled variant per combination)."""
+    return dict(
+        HEAD_DIM=d,
+        BLOCK_M=tiles["block_m"],
+        BLOCK_N=tiles["block_n"],
+        BLOCK_D=_block_d(d),
+        PAD_D=d != _block_d(d),
+        VARLEN=varlen,
+        BOTTOM_RIGHT=p.bottom_right,
+        HAS_LEFT=p.window_left >= 0,
+        HAS_RIGHT=p.window_right >= 0,
+        SOFTCAP=p.softcap > 0,
+        MASK_KIND=mask_kind,
+        IEEE=dtype == torch.float32,
+    )
+
+
+def check_cu_seqlens(op: str, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, p: Params) -> None:
+    """Values of cu_seqlens: start at 0, non-decreasing, end at the packed length, max <= max_seqlen (host sync)."""
+    for name, cu, total, max_len in (
+        ("cu_seqlens_q", cu_q, total_q, p.max_seqlen_q),
+        ("cu_seqlens_k", cu_k, total_k, p.max_seqlen_k),
+    ):
+        vals = cu.tolist()
+        lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
+        if vals[0] != 0:
+            raise ValueError(f"{op}: {name} must start at 0, got {vals[0]}")
+        if any(n < 0 for n in lens):
+            raise ValueError(f"{op}: {name} must be non-decreasing, got {vals}")
+        if vals[-1] != total:
+            raise ValueError(f"{op}: {name}[-1] must equal the packed length {total}, got {vals[-1]}")
+        if lens and max(lens) > max_len:
+            name_max = "max_seqlen_q" if name.endswith("q") else "max_seqlen_k"
+            raise ValueError(f"{op}: {name_max}={max_len} is smaller than the longest sequence ({max(lens)})")
+
+
+# ---- reference path (CPU without the interpreter, or KP_BACKEND=reference) ----
+
+
+def _reference_dense(q, k, v, mask, p: Params):
+    """(out, lse) for (B, S, H, D) tensors, in fp32 from the formula; fully masked rows give 0 and -inf."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    kf = kf.repeat_interleave(hq // hkv, dim=1)
+    vf = vf.repeat_interleave(hq // hkv, dim=1)
+    s = (qf @ kf.transpose(-1, -2)) * p.scale
+    if p.softcap > 0:
+        s = p.softcap * torch.tanh(s / p.softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    rel = j - i - (sk - sq if p.bottom_right else 0)
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if p.window_right >= 0:
+        allowed &= rel <= p.window_right
+    if p.window_left >= 0:
+        allowed &= rel >= -p.window_left
+    s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True)
+    has = denom > 0
+    denom_safe = torch.where(has, denom, torch.ones_like(denom))
+    out = (e / denom_safe) @ vf
+    lse = torch.where(has, torch.log(denom_safe) + m, torch.full_like(m, float("-inf")))
+    return out.transpose(1, 2).to(q.dtype), lse.squeeze(-1)
+
+
+def _reference_forward(q, k, v, mask, cu_q, cu_k, p: Params):
+    if cu_q is None:
+        return _reference_dense(q, k, v, mask, p)
+    outs, lses = [], []
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bounds_q) - 1):
+        sl_q = slice(bounds_q[i], bounds_q[i + 1])
+        sl_k = slice(bounds_k[i], bounds_k[i + 1])
+        o, lse = _reference_dense(q[None, sl_q], k[None, sl_k], v[None, sl_k], None, p)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs, 0), torch.cat(lses, 1) if lses else _lse_empty(q, 0, q.shape[1], 0, True)
+
+
+def _reference_backward(dout, dlse, q, k, v, mask, cu_q, cu_k, p: Params):
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = _reference_forward(*leaves, mask, cu_q, cu_k, p)
+        outputs, grads = [out], [dout]
+        if dlse is not None:
+            outputs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+            grads.append(dlse)
+        dq, dk, dv = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+    return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip((dq, dk, dv), (q, k, v)))
+
+
+# ---- launchers ----
+
+
+def _check_devices(op: str, q, **others) -> None:
+    """The ops are public torch ops too: a tensor on another device must not reach a kernel."""
+    for name, t in others.items():
+        if t is not None and t.device != q.device:
+            kp_core.check_same_device(op, q=q, **{name: t})
+
+
+def _forward(op, q, k, v, mask, cu_q, cu_k, p: Params):
+    """(out, lse): out like q (contiguous, q's layout), lse fp32 (B, Hq, Sq), or (Hq, total_q) when packed."""
+    _check_devices(op, q, k=k, v=v, attn_mask=mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    b, sq, sk, hq, hkv, d, varlen = _structure(p, q, k, cu_q)
+    if varlen and VALIDATE_CU_SEQLENS and not torch.compiler.is_compiling():
+        check_cu_seqlens(op, cu_q, cu_k, q.shape[0], k.shape[0], p)
+    if q.numel() == 0 or k.shape[0] == 0 or b == 0 or sq == 0 or sk == 0:  # nothing to launch
+        return q.new_zeros(q.shape), _lse_empty(q, b, hq, sq, varlen).fill_(float("-inf"))
+    backend = kp_core.choose_backend(op, q)
+    if backend == kp_core.REFERENCE:
+        kp_core.reference(op)
+        out, lse = _reference_forward(q, k, v, mask, cu_q, cu_k, p)
+        return out.contiguous(), lse.contiguous()
+    out = q.new_empty(q.shape)
+    lse = _lse_empty(q, b, hq, sq, varlen)
+    m, m_strides, mask_kind = _mask_args(mask, b, hq, sq, sk)
+    tiles = _tiles("_attn_fwd", _block_d(d), q.element_size(), q.device)
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        lse if m is None else m,
+        cu_q if varlen else lse,
+        cu_k if varlen else lse,
+        *_bshd(q, varlen),
+        *_bshd(k, varlen),
+        *_bshd(v, varlen),
+        *_bshd(out, varlen),
+        *_lse_strides(lse, varlen),
+        *m_strides,
+        sq,
+        sk,
+        hq // hkv,
+        *_score_args(p, q.dtype),
+        p.window_left,
+        p.window_right,
+    )
+    grid = (-(-sq // tiles["block_m"]), hq, b)
+    kp_core.launch(
+        op,
+        backend,
+        kernels._attn_fwd,
+        grid,
+        args,
+        _switches(p, d, varlen, mask_kind, q.dtype, tiles),
+        tiles["num_warps"],
+        tiles["num_stages"],
+    )
+    return out, lse
+
+
+def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
+    """(dq, dk, dv), each contiguous in its input's layout. dlse (may be None) is the gradient that reached lse."""
+    b, sq, sk, hq, hkv, d, varlen = _structure(p, q, k, cu_q)
+    if q.numel() == 0 or k.numel() == 0 or b == 0 or sq == 0 or sk == 0:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    if dout is None:  # only lse was used
+        dout = out.new_zeros(out.shape)
+    backend = kp_core.choose_backend(op, q)
+    if backend == kp_core.REFERENCE:
+        kp_core.reference(op)
+        return tuple(g.contiguous() for g in _reference_backward(dout, dlse, q, k, v, mask, cu_q, cu_k, p))
+    if dlse is not None:  # the kernels read dlse in lse's layout
+        dlse = dlse.to(torch.float32).contiguous()
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    lse = lse.contiguous()
+    delta = torch.empty_like(lse)
+    lse_strides = _lse_strides(lse, varlen)
+    cu_qa, cu_ka = (cu_q, cu_k) if varlen else (lse, lse)
+    block_d = _block_d(d)
+    ieee = q.dtype == torch.float32
+    pre = _tiles("_attn_bwd_preprocess", block_d, q.element_size(), q.device)
+    kp_core.launch(
+        op,
+        backend,
+        kernels._attn_bwd_preprocess,
+        (-(-sq // pre["block_m"]), hq, b),
+        (
+            out,
+            dout,
+            lse if dlse is None else dlse,
+            delta,
+            cu_qa,
+            *_bshd(out, varlen),
+            *_bshd(dout, varlen),
+            *lse_strides,
+            sq,
+        ),
+        dict(
+            HEAD_DIM=d,
+            BLOCK_M=pre["block_m"],
+            BLOCK_D=block_d,
+            VARLEN=varlen,
+            HAS_DLSE=dlse is not None,
+            ROWSUM=not ieee,
+        ),
+        pre["num_warps"],
+    )
+    m, m_strides, mask_kind = _mask_args(mask, b, hq, sq, sk)
+    m = lse if m is None else m
+    scalars = (sq, sk, hq // hkv, p.scale, *_score_args(p, q.dtype), p.window_left, p.window_right)
+    strides_qkv = (*_bshd(q, varlen), *_bshd(k, varlen), *_bshd(v, varlen), *_bshd(dout, varlen))
+
+    def launch_dkdv():
+        tiles = _tiles("_attn_bwd_dkdv", block_d, q.element_size(), q.device)
+        kp_core.launch(
+            op,
+            backend,
+            kernels._attn_bwd_dkdv,
+            (-(-sk // tiles["block_n"]), hkv, b),
+            (
+                q,
+                k,
+                v,
+                dout,
+                lse,
+                delta,
+                m,
+                dk,
+                dv,
+                cu_qa,
+                cu_ka,
+                *strides_qkv,
+                *_bshd(dk, varlen),
+                *_bshd(dv, varlen),
+                *lse_strides,
+                *m_strides,
+                *scalars,
+            ),
+            _switches(p, d, varlen, mask_kind, q.dtype, tiles),
+            tiles["num_warps"],
+            tiles["num_stages"],
+        )
+
+    def launch_dq():
+        tiles = _tiles("_attn_bwd_dq", block_d, q.element_size(), q.device)
+        kp_core.launch(
+            op,
+            backend,
+            kernels._attn_bwd_dq,
+            (-(-sq // tiles["block_m"]), hq, b),
+            (
+                q,
+                k,
+                v,
+                dout,
+                lse,
+                delta,
+                m,
+                dq,
+                cu_qa,
+                cu_ka,
+                *strides_qkv,
+                *_bshd(dq, varlen),
+                *lse_strides,
+                *m_strides,
+                *scalars,
+            ),
+            _switches(p, d, varlen, mask_kind, q.dtype, tiles),
+            tiles["num_warps"],
+            tiles["num_stages"],
+        )
+
+    # The fp32 path's dQ kernel computes delta (sum_j P_ij dP_ij) for the dK/dV kernel: it goes first there.
+    for launch in (launch_dq, launch_dkdv) if ieee else (launch_dkdv, launch_dq):
+        launch()
+    return dq, dk, dv
+
+
+# ---- declarations ----
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), lse (B, Hq, Sq); attn_mask broadcasts to (B, Hq, Sq, Sk)."""
+    return _forward(OP, q, k, v, attn_mask, None, None, Params(scale, softcap, window_left, window_right, bottom_right))
+
+
+def backward(
+    dout: Optional[torch.Tensor],
+    dlse: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = Params(scale, softcap, window_left, window_right, bottom_right)
+    return _backward(OP_BWD, dout, dlse, q, k, v, out, lse, attn_mask, None, None, p)
+
+
+def forward_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): packed q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q)."""
+    p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k)
+    return _forward(OP_VARLEN, q, k, v, None, cu_seqlens_q, cu_seqlens_k, p)
+
+
+def backward_varlen(
+    dout: Optional[torch.Tensor],
+    dlse: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k)
+    return _backward(OP_VARLEN_BWD, dout, dlse, q, k, v, out, lse, None, cu_seqlens_q, cu_seqlens_k, p)
+
+
+def _like(*tensors) -> tuple:
+    return tuple(t.new_empty(t.shape) for t in tensors)
+
+
+def _forward_fake(q, k, v, attn_mask, scale, softcap, window_left, window_right, bottom_right):
+    return q.new_empty(q.shape), _lse_empty(q, q.shape[0], q.shape[2], q.shape[1], False)
+
+
+def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *rest):
+    return q.new_empty(q.shape), _lse_empty(q, cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, True)
+
+
+FLASH = kp_core.op(
+    OP,
+    forward,
+    _forward_fake,
+    backward=backward,
+    backward_fake=lambda dout, dlse, q, k, v, *rest: _like(q, k, v),
+    save=lambda args, outputs: (*args[:3], *outputs, args[3]),  # q, k, v, out, lse, attn_mask
+    grad_inputs=("q", "k", "v"),
+    package=PACKAGE,
+    spec=SPEC,
+    dtypes=DTYPES,
+)
+
+FLASH_VARLEN = kp_core.op(
+    OP_VARLEN,
+    forward_varlen,
+    _forward_varlen_fake,
+    backward=backward_varlen,
+    backward_fake=lambda dout, dlse, q, k, v, *rest: _like(q, k, v),
+    save=lambda args, outputs: (*args[:3], *outputs, *args[3:5]),  # q, k, v, out, lse, cu_seqlens_q/k
+    grad_inputs=("q", "k", "v"),
+    package=PACKAGE,
+    spec=SPEC,
+    dtypes=DTYPES,
+)
+
+
+def default_scale(d: int) -> float:
+    return 1.0 / math.sqrt(d) if d > 0 else 1.0

@@ -1,0 +1,196 @@
+"""Triton kernels of KV-cache attention (flash-decoding); the maths is in kp_attention.ops.decode's docstring."""
+
+import triton
+import triton.language as tl
+
+from kp_core.kernel_constants import LN2, LOG2E
+
+
+@triton.jit
+def _decode_split(
+    Q,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    K,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    V,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    SEQLENS,
+    BT,
+    stride_btb,
+    OUT,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    LSE,
+    O_PART,
+    LSE_PART,
+    Hkv,
+    GROUP,
+    Sq,
+    num_splits,
+    m_blocks,
+    sm_scale,
+    softcap,
+    win_left,
+    win_right,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    PAGED: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+):
+    """One (batch, kv head, row block) x one split: online softmax over the split's key blocks.
+    D (the head dim) is a constexpr so that D == BLOCK_D drops the head-dim masks.
+
+    Tile rows r are (q head h * GROUP + r // Sq, query r % Sq). Scores live in the log2 domain
+    (s * log2(e)) so the softmax uses exp2; lse is stored in the log2 domain for the partials, natural
+    log for the final output."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    mb = pid % m_blocks
+    h = (pid // m_blocks) % Hkv
+    b = pid // (m_blocks * Hkv)
+    b64 = b.to(tl.int64)
+    L = tl.load(SEQLENS + b)
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * Sq
+    hq = h * GROUP + rows // Sq
+    qi = rows % Sq
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qs + hq[:, None].to(tl.int64) * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0)
+    diag = qi + L - Sq  # the key on each row's diagonal
+
+    # Keys any row of the tile may see: [lo, L), lo rounded down to a block; this split's share of it.
+    lo = L * 0
+    if HAS_LEFT:
+        lo = tl.maximum(L - Sq - win_left, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(L - lo, BLOCK_N), num_splits) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, L)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    k_head = K + h.to(tl.int64) * stride_kh + offs_d[None, :]
+    v_head = V + h.to(tl.int64) * stride_vh + offs_d[None, :]
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + offs_n0
+        if PAGED:
+            page = tl.load(BT + b64 * stride_btb + n0 // PAGE).to(tl.int64)
+            slot = (n0 % PAGE + offs_n0).to(tl.int64)
+            k_rows = page * stride_kb + slot * stride_kn
+            v_rows = page * stride_vb + slot * stride_vn
+        else:
+            k_rows = b64 * stride_kb + offs_n.to(tl.int64) * stride_kn
+            v_rows = b64 * stride_vb + offs_n.to(tl.int64) * stride_vn
+        n_ok = offs_n < end
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_head + k_rows[:, None], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * sm_scale
+        if SOFTCAP:
+            # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 when exp over/underflows. The
+            # subtraction cancels for small |s| (fp32 loses ~eps / |x| relative): the fp32 path takes it in fp64.
+            if IEEE:
+                e = tl.exp(s.to(tl.float64) * 2.0 / softcap)
+                s = (softcap - (2.0 * softcap) / (e + 1.0)).to(tl.float32)
+            else:
+                s = softcap - (2.0 * softcap) / (tl.exp2(s * ((1.0 / softcap) * (2.0 * LOG2E))) + 1.0)
+        s = s * LOG2E
+        ok = n_ok[None, :]
+        if HAS_RIGHT:
+            ok = ok & (offs_n[None, :] <= diag[:, None] + win_right)
+        if HAS_LEFT:
+            ok = ok & (offs_n[None, :] >= diag[:, None] - win_left)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + v_rows[:, None], mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    hq64 = hq.to(tl.int64)
+    row_id = (b64 * Hkv * GROUP + hq64) * Sq + qi  # row of the (B, Hq, Sq) lse
+    if ONE_SPLIT:
+        o_ptrs = OUT + b64 * stride_ob + qi[:, None] * stride_os + hq64[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=q_mask)
+        tl.store(LSE + row_id, lse2 * LN2, mask=row_ok)
+    else:
+        part = row_id * num_splits + split
+        tl.store(O_PART + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
+        tl.store(LSE_PART + part, lse2, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine(
+    O_PART,
+    LSE_PART,
+    OUT,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    LSE,
+    Hq,
+    Sq,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One output row (b, q head, query): lse = log2 sum_s 2^lse_s, out = sum_s 2^(lse_s - lse) out_s."""
+    row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * Sq + i
+    qi = row % Sq
+    hq = (row // Sq) % Hq
+    b = row // (Sq * Hq)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    lse_row = LSE_PART + row * num_splits
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
+    for s0 in range(0, num_splits, BLOCK_S):
+        lse = tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < num_splits, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, 0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    denom = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_ok = s0 + offs_s < num_splits
+        w = tl.exp2(tl.load(lse_row + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_safe)
+        parts = (row * num_splits + s0 + offs_s)[:, None] * D + offs_d[None, :]
+        o = tl.load(O_PART + parts, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        denom += tl.sum(w, 0)
+    out = acc / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(OUT + b * stride_ob + qi * stride_os + hq * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+    lse_out = tl.where(denom > 0.0, (m_safe + tl.log2(tl.where(denom > 0.0, denom, 1.0))) * LN2, float("-inf"))
+    tl.store(LSE + row, lse_out)

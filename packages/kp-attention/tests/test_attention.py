@@ -1,0 +1,309 @@
+"""kp-attention's own tests of kp::flash_attention and kp::flash_attention_varlen: forward, lse and gradients by
+the conformance rule against the shared float64 reference (kp_conformance.references), SDPA against torch, varlen
+against a per-sequence loop, masks, errors, backends. Broad numerics live in conformance/specs/test_attention.py.
+Every tensor is made on the device under test."""
+
+import math
+
+import kp_attention
+import pytest
+import torch
+import torch.nn.functional as F
+from kp_attention.ops import attention
+
+import kp_core
+from kp_conformance import references as ref
+from kp_conformance.launched import skip_if_not_covered
+from kp_conformance.tolerance import check_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL = kp_core.INTERPRET if kp_core.interpreter_enabled() else kp_core.TRITON
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(device=DEVICE, dtype=dtype)
+
+
+def run(fn, inputs, dout, dlse=None):
+    """(out, lse, dq, dk, dv) of fn(q, k, v) -> (out, lse); the loss is <out, dout> (+ <lse, dlse>)."""
+    inputs = [t.detach().requires_grad_() for t in inputs]
+    out, lse = fn(*inputs)
+    loss = (out.double() * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isinf(lse), 0.0, lse).double() * dlse).sum()
+    loss.backward()
+    return (out.detach(), lse.detach(), *(t.grad for t in inputs))
+
+
+def check_against_reference(got, q, k, v, dout, dlse=None, **kw):
+    """out, dq, dk, dv by the rule against float64 and PyTorch in q's dtype; lse against float64 and logsumexp of
+    the scores PyTorch forms in q's dtype."""
+    dtype = q.dtype
+    want = run(lambda *t: ref.attention64(*t, **kw), (q, k, v), dout, dlse)
+    low = run(lambda *t: (ref.attention_lowp(*t, **kw), ref.lse_lowp(*t[:2], **kw)), (q, k, v), dout, dlse)
+    for name, a, w, lo in zip(("out", "lse", "dq", "dk", "dv"), got, want, low):
+        if name == "lse":
+            assert torch.equal(torch.isinf(a), torch.isinf(w)), "rows with no visible key must have lse -inf"
+            fin = torch.isfinite(w)
+            check_close("lse", a[fin], w[fin], lo[fin], torch.float32)
+        else:
+            check_close(name, a, w, lo.nan_to_num(0.0), dtype)  # torch: NaN where a row sees no key
+
+
+def make(b, sq, sk, hq, hkv, d, dtype, seed=0):
+    return (
+        randn(b, sq, hq, d, dtype=dtype, seed=seed),
+        randn(b, sk, hkv, d, dtype=dtype, seed=seed + 1),
+        randn(b, sk, hkv, d, dtype=dtype, seed=seed + 2),
+        randn(b, sq, hq, d, dtype=dtype, seed=seed + 3),
+    )
+
+
+def check_dense(b, sq, sk, hq, hkv, d, dtype, with_lse_grad=False, **kw):
+    q, k, v, dout = make(b, sq, sk, hq, hkv, d, dtype)
+    dlse = randn(b, hq, sq, dtype=torch.float64, seed=9) if with_lse_grad else None
+    with kp_core.record_launches() as rec:
+        got = run(lambda q, k, v: kp_attention.flash_attention(q, k, v, return_lse=True, **kw), (q, k, v), dout, dlse)
+    assert rec.backends(attention.OP) == {KERNEL} and rec.backends(attention.OP_BWD) == {KERNEL}
+    assert [t.dtype for t in got] == [dtype, torch.float32, dtype, dtype, dtype]
+    check_against_reference(got, q, k, v, dout, dlse, **kw)
+    return got
+
+
+CASES = [  # (b, sq, sk, hq, hkv, d, options)
+    (2, 97, 97, 2, 2, 64, {}),
+    (1, 113, 203, 4, 2, 59, {"causal": True}),  # GQA, odd head dim, Sq < Sk
+    (1, 203, 113, 3, 1, 16, {"causal": True}),  # MQA, Sq > Sk: the first rows see no key
+    (1, 130, 130, 2, 1, 80, {"window": (17, 9)}),
+    (1, 90, 150, 2, 2, 32, {"causal": True, "window": (40, -1), "softcap": 5.0}),
+    (2, 70, 45, 2, 2, 111, {"softcap": 2.0, "scale": 0.3, "window": (-1, 3)}),
+    (1, 1, 257, 2, 2, 96, {"causal": True}),
+    (1, 65, 1, 1, 1, 1, {}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[:6]}{c[6]}")
+def test_forward_lse_and_grads_match_float64(case, dtype):
+    skip_if_not_covered(dtype, uses_dot=True)
+    *shape, kw = case
+    check_dense(*shape, dtype, **kw)
+
+
+def test_lse_gradient_and_unequal_blocks():
+    """dlse flows into the gradients; tiles with BLOCK_M != BLOCK_N cross the band at other points."""
+    tiles = dict(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    with kp_core.pinned("_attn_fwd", **tiles), kp_core.pinned("_attn_bwd_dkdv", **tiles):
+        with kp_core.pinned("_attn_bwd_dq", **tiles):
+            check_dense(1, 77, 100, 2, 1, 48, torch.float32, with_lse_grad=True, causal=True, window=(30, 0))
+
+
+def test_fully_masked_rows_give_zeros_and_no_nan():
+    q, k, v, dout = make(1, 80, 20, 2, 2, 32, torch.float32)
+    with kp_core.record_launches() as rec:
+        out, lse, dq, dk, dv = run(
+            lambda q, k, v: kp_attention.flash_attention(q, k, v, causal=True, return_lse=True), (q, k, v), dout
+        )
+    assert rec.backends() == {KERNEL}
+    blind = 80 - 20  # rows i < Sq - Sk see no key under bottom-right causal
+    assert torch.all(out[:, :blind] == 0) and torch.all(lse[:, :, :blind] == -math.inf)
+    assert torch.all(dq[:, :blind] == 0)
+    for t in (out, lse[:, :, blind:], dq, dk, dv):
+        assert torch.isfinite(t).all()
+
+
+def test_strided_inputs_are_read_in_place():
+    base = randn(2, 4, 57, 3 * 32)  # (B, H, S, 3D): q, k, v as slices of one tensor
+    q, k, v = (base[..., i * 32 : (i + 1) * 32].transpose(1, 2) for i in range(3))
+    before = base.clone()
+    with kp_core.record_launches() as rec:
+        out = kp_attention.flash_attention(q, k, v, causal=True)
+    assert rec.backends() == {KERNEL}
+    check_close("out", out, ref.attention64(q, k, v, causal=True)[0], ref.attention_lowp(q, k, v, causal=True), q.dtype)
+    assert torch.equal(base, before)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "float", "gqa", "3d"])
+def test_sdpa_matches_torch(kind):
+    """torch's layout and semantics, judged against torch's SDPA in float64 and in fp32."""
+    b, h, lq, s, e = 2, 4, 45, 70, 24
+    q = randn(b, h, lq, e, seed=1)
+    k, v = (randn(b, h // 2 if kind == "gqa" else h, s, e, seed=2 + i) for i in range(2))
+    dout = randn(b, h, lq, e, seed=4)
+    kw = {}
+    if kind == "causal":
+        kw["is_causal"] = True  # top-left: ones(L, S).tril()
+    elif kind == "bool":
+        mask = randn(b, 1, lq, s, seed=5) > -0.5  # broadcast over heads
+        mask[..., 0] = True  # torch gives NaN for empty rows; kp gives 0
+        kw["attn_mask"] = mask
+    elif kind == "float":
+        kw["attn_mask"] = randn(lq, s, seed=6)
+    elif kind == "gqa":
+        kw["enable_gqa"] = True
+    elif kind == "3d":  # (N, L, E) with L != S
+        q, k, v, dout = q[:, 0], k[:, 0], v[:, 0], dout[:, 0]
+    kw64 = {key: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for key, t in kw.items()}
+
+    def grads(fn, inputs):
+        return run(lambda q, k, v: (fn(q, k, v), q[..., 0]), inputs, dout)
+
+    with kp_core.record_launches() as rec:
+        got = grads(lambda *t: kp_attention.scaled_dot_product_attention(*t, **kw), (q, k, v))
+    assert rec.backends() == {KERNEL}
+    want = grads(lambda *t: F.scaled_dot_product_attention(*t, **kw64), [t.double() for t in (q, k, v)])
+    low = grads(lambda *t: F.scaled_dot_product_attention(*t, **kw), (q, k, v))
+    for i, name in zip((0, 2, 3, 4), ("out", "dq", "dk", "dv")):
+        check_close(f"sdpa {kind} {name}", got[i], want[i], low[i], torch.float32)
+
+
+def test_sdpa_fully_masked_row_is_zero():
+    q, k, v = (randn(1, 2, 5, 16, seed=i) for i in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool, device=DEVICE)
+    mask[2] = False
+    with kp_core.record_launches() as rec:
+        out = kp_attention.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert rec.backends() == {KERNEL}
+    assert torch.all(out[:, :, 2] == 0) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"causal": True, "window": (5, -1), "softcap": 3.0}], ids=str)
+def test_varlen_matches_per_sequence_loop(kw):
+    lens_q, lens_k = [5, 0, 37, 64, 1], [9, 4, 37, 33, 1]
+    hq, hkv, d = 4, 2, 40
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, dout = randn(sum(lens_q), hq, d, seed=2), randn(sum(lens_q), hq, d, seed=3)
+    k, v = randn(sum(lens_k), hkv, d, seed=4), randn(sum(lens_k), hkv, d, seed=5)
+
+    def ours(q, k, v):
+        return kp_attention.flash_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, **kw)
+
+    def loop(attention_fn):
+        def fn(q, k, v):
+            outs, lses = [], []
+            for i in range(len(lens_q)):
+                sl_q, sl_k = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+                out, lse = attention_fn(q[None, sl_q], k[None, sl_k], v[None, sl_k])
+                outs.append(out[0])
+                lses.append(lse[0])
+            return torch.cat(outs), torch.cat(lses, 1)
+
+        return fn
+
+    with kp_core.record_launches() as rec:
+        got = run(ours, (q, k, v), dout)
+    assert rec.backends(attention.OP_VARLEN) == {KERNEL} and rec.backends(attention.OP_VARLEN_BWD) == {KERNEL}
+    assert got[1].shape == (hq, sum(lens_q))
+    want = run(loop(lambda *t: ref.attention64(*t, **kw)), (q, k, v), dout)
+    low = run(loop(lambda *t: (ref.attention_lowp(*t, **kw), ref.lse_lowp(*t[:2], **kw))), (q, k, v), dout)
+    for name, a, w, lo in zip(("out", "lse", "dq", "dk", "dv"), got, want, low):
+        if name == "lse":
+            fin = torch.isfinite(w)
+            a, w, lo = a[fin], w[fin], lo[fin]
+        check_close(f"varlen {name}", a, w, lo.nan_to_num(0.0), a.dtype)  # torch: NaN where a row sees no key
+
+
+def test_zero_sizes_launch_nothing():
+    with kp_core.record_launches() as rec:
+        q, k, v, _ = make(0, 5, 5, 2, 2, 16, torch.float32)
+        assert kp_attention.flash_attention(q, k, v).shape == (0, 5, 2, 16)
+        q, k, v, _ = make(2, 0, 7, 2, 2, 16, torch.float32)
+        assert kp_attention.flash_attention(q, k, v).shape == (2, 0, 2, 16)
+    assert rec.count() == 0
+    q, k, v, _ = make(1, 3, 0, 2, 2, 16, torch.float32)  # no keys: every row is empty
+    out, lse = kp_attention.flash_attention(q, k, v, return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+
+
+def test_compile_and_opcheck():
+    q, k, v, dout = make(1, 33, 40, 2, 1, 16, torch.float32)
+    cu_q = torch.tensor([0, 10, 33], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 25, 40], dtype=torch.int32, device=DEVICE)
+    mask = torch.rand(33, 40, device=DEVICE) > 0.2
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with kp_core.record_launches() as rec:
+        torch.library.opcheck(attention.FLASH.op, (*leaves, None, 0.25, 0.0, 7, 0, True))
+        transposed = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+        torch.library.opcheck(attention.FLASH.op, (transposed, *leaves[1:], mask, 0.25, 1.5, -1, -1, False))
+        packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
+        torch.library.opcheck(attention.FLASH_VARLEN.op, (*packed, cu_q, cu_k, 23, 25, 0.25, 0.0, -1, 0))
+    assert rec.backends() == {KERNEL}
+
+    def fn(q, k, v):
+        return kp_attention.flash_attention(q, k, v, causal=True, softcap=3.0, return_lse=True)
+
+    eager = run(fn, (q, k, v), dout)
+    with kp_core.record_launches() as rec:
+        compiled = run(torch.compile(fn, fullgraph=True), (q, k, v), dout)
+    assert rec.backends(attention.OP) == {KERNEL} and rec.backends(attention.OP_BWD) == {KERNEL}
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+def test_a_tensor_on_another_device_is_refused_by_the_op():
+    """The ops are public torch ops: called directly, a cu_seqlens or mask on another device raises."""
+    q, k, v, _ = make(1, 8, 8, 2, 2, 16, torch.float32)
+    other = torch.ones(3, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="cu_seqlens_q must be on the same device as q"):
+        attention.FLASH_VARLEN(q[0], k[0], v[0], other, other, 8, 8, 0.25, 0.0, -1, -1)
+    with pytest.raises(ValueError, match="attn_mask must be on the same device as q"):
+        attention.FLASH(q, k, v, torch.ones(8, 8, dtype=torch.bool, device="meta"), 0.25, 0.0, -1, -1, False)
+
+
+def test_reference_backend_is_selectable(monkeypatch):
+    monkeypatch.setenv("KP_BACKEND", "reference")
+    q, k, v, dout = make(1, 20, 30, 2, 1, 16, torch.float32)
+    with kp_core.record_launches() as rec:
+        got = run(lambda q, k, v: kp_attention.flash_attention(q, k, v, causal=True, return_lse=True), (q, k, v), dout)
+    assert rec.backends() == {kp_core.REFERENCE}
+    check_against_reference(got, q, k, v, dout, causal=True)
+
+
+def test_errors_name_the_argument():
+    fa, sdpa, varlen = kp_attention.flash_attention, kp_attention.scaled_dot_product_attention, None
+    q, k, v, _ = make(1, 4, 4, 2, 2, 16, torch.float32)
+    varlen = kp_attention.flash_attention_varlen
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    cases = [
+        (TypeError, "q", lambda: fa(q.tolist(), k, v)),
+        (TypeError, "k", lambda: fa(q, k.double(), v)),
+        (TypeError, "v", lambda: fa(q, k, v.half())),
+        (TypeError, "q", lambda: fa(q.int(), k, v)),
+        (ValueError, "q", lambda: fa(q[0], k, v)),
+        (ValueError, "head dim", lambda: fa(q, k[..., :8], v)),
+        (ValueError, "head dim", lambda: fa(q, k, v[..., :8])),
+        (ValueError, "heads", lambda: fa(q[:, :, :1].expand(1, 4, 3, 16), k, v)),
+        (ValueError, "batch", lambda: fa(q, k.expand(2, 4, 2, 16), v.expand(2, 4, 2, 16))),
+        (ValueError, "seqlen", lambda: fa(q, k, v[:, :3])),
+        (ValueError, "256", lambda: fa(*(torch.zeros(1, 2, 1, 257, device=DEVICE) for _ in range(3)))),
+        (ValueError, "window", lambda: fa(q, k, v, window=(-2, 0))),
+        (ValueError, "window", lambda: fa(q, k, v, window=5)),
+        (ValueError, "softcap", lambda: fa(q, k, v, softcap=-1.0)),
+        (ValueError, "scale", lambda: fa(q, k, v, scale=float("nan"))),
+        (TypeError, "cu_seqlens_q", lambda: varlen(q[0], k[0], v[0], cu.long(), cu, 4, 4)),
+        (ValueError, "cu_seqlens_k", lambda: varlen(q[0], k[0], v[0], cu, cu[None], 4, 4)),
+        (ValueError, "non-decreasing", lambda: varlen(q[0], k[0], v[0], ints(0, 3, 2, 4), ints(0, 1, 2, 4), 4, 4)),
+        (ValueError, "same length", lambda: varlen(q[0], k[0], v[0], cu, ints(0, 2, 4), 4, 4)),
+        (ValueError, "packed length", lambda: varlen(q[0], k[0], v[0], ints(0, 3), cu, 4, 4)),
+        (ValueError, "start at 0", lambda: varlen(q[0], k[0], v[0], ints(1, 4), cu, 4, 4)),
+        (ValueError, "max_seqlen_k", lambda: varlen(q[0], k[0], v[0], cu, cu, 4, 3)),
+        (ValueError, "max_seqlen_q", lambda: varlen(q[0], k[0], v[0], cu, cu, -1, 4)),
+        (NotImplementedError, "dropout", lambda: sdpa(q, k, v, dropout_p=0.1)),
+        (ValueError, "enable_gqa", lambda: sdpa(q, k[:, :1], v[:, :1])),
+        (ValueError, "attn_mask", lambda: sdpa(q, k, v, attn_mask=torch.ones(3, 4, dtype=torch.bool, device=DEVICE))),
+        (ValueError, "attn_mask", lambda: sdpa(q, k, v, attn_mask=torch.zeros(4, 4, device=DEVICE).requires_grad_())),
+        (
+            ValueError,
+            "is_causal",
+            lambda: sdpa(q, k, v, attn_mask=torch.ones(4, 4, device=DEVICE).bool(), is_causal=True),
+        ),
+    ]
+    for exc, word, call in cases:
+        with pytest.raises(exc, match=word):
+            call()
