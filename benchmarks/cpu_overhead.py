@@ -16,17 +16,17 @@ norm fwd+bwd 5*M*N*2, add + norm fwd+bwd 8*M*N*2 (benchmarks/bench_norms.py's co
 Part 3, where kp's microseconds go: the pieces a call is made of, each timed alone.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import statistics
+from typing import Optional
 
 import harness
 import kp_attention
 import torch
 import torch.nn.functional as F
 import triton
+from kp_attention.ops import decode as decode_mod
 
 import kp_norms
 
@@ -42,9 +42,9 @@ def _t(*shape, grad=False, dtype=DTYPE):
 # ---- part 1: CPU cost per call ----
 
 
-def norm_cases():
-    """op -> {provider: (fn(inputs) -> output(s), inputs factory)}."""
-    s = (N,)
+def norm_cases(n: int = N):
+    """(op -> {provider: fn(inputs) -> output(s)}, inputs factory) for rows of n columns."""
+    s = (n,)
 
     def inputs():
         return dict(x=_t(ROWS, N, grad=True), r=_t(ROWS, N, grad=True), w=_t(N, grad=True), b=_t(N, grad=True))
@@ -92,6 +92,13 @@ def attention_cases():
 def decode_cases():
     length, cap = 1024, 2048
 
+    def unchecked(i):  # what a serving loop that guarantees cache_seqlens runs: no value check (no device sync)
+        decode_mod.VALIDATE_VALUES = False
+        try:
+            return kp_attention.flash_attention_with_kvcache(i["q"], i["k_cache"], i["v_cache"], i["seqlens"])
+        finally:
+            decode_mod.VALIDATE_VALUES = True
+
     def inputs():
         k_cache, v_cache = _t(1, cap, 8, 128), _t(1, cap, 8, 128)
         return dict(
@@ -104,11 +111,13 @@ def decode_cases():
             vt=v_cache[:, :length].transpose(1, 2).contiguous(),
         )
 
+    sdpa = lambda i: F.scaled_dot_product_attention(i["qt"], i["kt"], i["vt"], enable_gqa=True)  # noqa: E731
     return {
         "decode": {
             "kp": lambda i: kp_attention.flash_attention_with_kvcache(i["q"], i["k_cache"], i["v_cache"], i["seqlens"]),
-            "torch": lambda i: F.scaled_dot_product_attention(i["qt"], i["kt"], i["vt"], enable_gqa=True),
-        }
+            "torch": sdpa,
+        },
+        "decode (no value check)": {"kp": unchecked, "torch": sdpa},
     }, inputs
 
 
@@ -175,8 +184,8 @@ SHAPES = [(16384, 4096), (8192, 8192)]
 
 def plain_launch(copy: float) -> list[dict]:
     rows = []
-    cases, _ = norm_cases()
     for op, (m, n) in [(op, s) for op in ("rms_norm", "layer_norm", "add_rms_norm") for s in SHAPES]:
+        cases, _ = norm_cases(n)
         x, r, w, b = _t(m, n, grad=True), _t(m, n, grad=True), _t(n, grad=True), _t(n, grad=True)
         inputs = dict(x=x, r=r, w=w, b=b)
         factor = 8 if op.startswith("add") else 5
@@ -220,29 +229,77 @@ class _Identity(torch.autograd.Function):
         return g
 
 
+def _bare_forward(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x), x.new_empty((0,)), x.new_empty((0,))
+
+
+def _bare_backward(
+    dy: Optional[torch.Tensor], ds: Optional[torch.Tensor], x: torch.Tensor, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(w)
+
+
 def pieces(iters: int) -> dict[str, float]:
+    """The parts of one kp_norms.rms_norm call (8 x 4096 bf16, weight), each timed alone."""
+    import kp_core
+    from kp_core import launches
+    from kp_norms import functional
+    from kp_norms.ops import norm
+
     x = _t(ROWS, N, grad=True)
+    w = _t(N, grad=True)
+    xd, wd = x.detach(), w.detach()
     dy = torch.ones(ROWS, N, device="cuda", dtype=DTYPE)
+    _, _, _, rstd = norm.forward(xd, None, wd, None, 1e-6, True, 0.0, False, 0, True)
 
     def fwd_bwd(fn):
         def step():
-            x.grad = None
+            x.grad = w.grad = None
             fn().backward(dy)
 
         return step
 
+    def jit(fn):  # the same call with Triton's own dispatcher instead of kp's direct call
+        def call():
+            launches._FAST = False
+            try:
+                fn()
+            finally:
+                launches._FAST = True
+
+        return call
+
+    # kp_core.op's own cost: an op whose launchers only allocate (kp::norm's four outputs and three gradients).
+    bare = kp_core.op(
+        "kp_bench::bare",
+        _bare_forward,
+        lambda x, w: (torch.empty_like(x), torch.empty_like(x), x.new_empty((0,)), x.new_empty((0,))),
+        backward=_bare_backward,
+        backward_fake=lambda dy, ds, x, w: (torch.empty_like(x), torch.empty_like(w)),
+        save=lambda args, outputs: (args[0], args[1]),
+        grad_inputs=("x", "w"),
+        differentiable_outputs=2,
+        package="benchmarks",
+        spec="none",
+        dtypes=(DTYPE,),
+    )
+    launcher = lambda: norm.forward(xd, None, wd, None, 1e-6, True, 0.0, False, 0, False)  # noqa: E731
+    backward = lambda: norm.backward(dy, None, xd, wd, None, rstd, rstd, 1e-6, True, 0.0, False, 0, True)  # noqa: E731
     parts = {
         "torch.empty (8 x 4096 bf16)": lambda: torch.empty((ROWS, N), device="cuda", dtype=DTYPE),
         "Triton JIT launch, empty kernel (2 args)": lambda: _empty_kernel[(1,)](dy, 1),
         "x * 1 fwd+bwd (builtin op, autograd)": fwd_bwd(lambda: x * 1),
         "autograd.Function identity fwd+bwd": fwd_bwd(lambda: _Identity.apply(x)),
+        "kp_core.op with allocating launchers (4 outputs) fwd+bwd": fwd_bwd(lambda: bare(x, w)[0]),
+        "kp: argument checks of rms_norm": lambda: functional._check("op", xd, (N,), wd, None, 1e-6),
+        "kp: choose_backend": lambda: kp_core.choose_backend("op", xd),
+        "kp: forward launcher (alloc + launch), direct call": launcher,
+        "kp: forward launcher, Triton's JIT dispatcher": jit(launcher),
+        "kp: backward launcher (2 launches), direct call": backward,
+        "kp: backward launcher, Triton's JIT dispatcher": jit(backward),
+        "kp: rms_norm fwd, no grad": lambda: kp_norms.rms_norm(xd, (N,), wd, 1e-6),
+        "kp: rms_norm fwd+bwd": fwd_bwd(lambda: kp_norms.rms_norm(x, (N,), w, 1e-6)),
     }
-    try:  # the kp-side pieces, where this version of the code exposes them
-        import kp_core
-
-        parts.update(kp_core.overhead_pieces())
-    except (ImportError, AttributeError):
-        pass
     out = {}
     for name, fn in parts.items():
         out[name] = statistics.median(harness.wall_us_per_call(fn, iters) for _ in range(3))

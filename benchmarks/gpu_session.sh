@@ -1,34 +1,35 @@
 #!/usr/bin/env bash
-# What a GPU run does on a machine with no package registry (the `device` box): install the carried
-# wheels (nox, Liger-Kernel, ...; see ../shared/tools/device-wheels.sh), then run the nox sessions on the
-# machine's own torch/triton with --no-venv. Usage: bash benchmarks/gpu_session.sh STEP... ; logs go to $OUT.
+# What a GPU run does on a machine with no package registry: install the carried wheels (nox, Liger-Kernel, ...;
+# fetched beforehand with `pip download` into .whl/), then run the steps on the machine's own torch/triton, with
+# the packages' sources on PYTHONPATH. Usage: bash benchmarks/gpu_session.sh STEP...; logs go to $OUT.
+# Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-export PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 SRC=packages/kp-core/src:packages/kp-norms/src:packages/kp-attention/src:conformance/src:benchmarks
+LIMIT=${STEP_TIMEOUT:-540}
+touch /tmp/session_start
 status=0
 for step in "$@"; do
   echo "=== $step ($(date +%T))"
   case $step in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
           python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" ;;
-    tests) PYTHONPATH=$SRC:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider packages/kp-core/tests packages/kp-norms/tests packages/kp-attention/tests ;;
-    tune) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_norms.py --tune ;;
-    tune-glu) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_glu.py --tune ;;
-    tune-attention) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_attention.py --tune ;;
-    bench-*) PYTHONPATH=$SRC:$PYTHONPATH python3 benchmarks/bench_${step#bench-}.py ;;
-    conformance-*) KP_TIER=${step#conformance-} python3 -m nox --no-venv -s conformance -- -n 4 ;;
-    bench) python3 -m nox --no-venv -s bench ;;
-    demo) python3 -m nox --no-venv -s demo ;;
+    tests-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n 8 \
+               "packages/kp-${step#tests-}/tests" ;;
+    conformance-*) KP_TIER=${step#conformance-} timeout "$LIMIT" python3 -m nox --no-venv -s conformance -- -n 8 ;;
+    cpu) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/cpu_overhead.py ;;
+    demo) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/demo.py ;;
+    tune-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#tune-}.py" --tune ;;
+    bench-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#bench-}.py" ${BENCH_ARGS:-} ;;
     *) echo "unknown step $step"; status=2 ;;
   esac 2>&1 | tee -a "$OUT/gpu_session.log"
   rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "step $step failed: rc=$rc"; status=1; }
 done
-cp -r conformance/reports "$OUT/" 2>/dev/null
-cp -r benchmarks/results "$OUT/" 2>/dev/null
+# What this run wrote (the tool brings back at most 8 files): new conformance reports and benchmark results.
+find conformance/reports benchmarks/results -type f -newer /tmp/session_start -exec cp {} "$OUT/" \;
 exit $status

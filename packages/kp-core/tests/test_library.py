@@ -117,3 +117,37 @@ def test_mutating_op_bumps_the_version_counter_in_eager_mode():
     before = t._version
     fill(t, 2.0)
     assert t._version > before and torch.equal(t, torch.full((3,), 2.0))
+
+
+def _twice(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return 2 * x, kp_core.nothing(x)
+
+
+def _twice_backward(dy: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return 2 * dy
+
+
+TWICE = kp_core.op(
+    "kp_core_test::twice",
+    _twice,
+    lambda x: (torch.empty_like(x), x.new_empty((0,))),
+    backward=_twice_backward,
+    backward_fake=lambda dy, x: torch.empty_like(x),
+    save=lambda args, outputs: (args[0],),
+    grad_inputs=("x",),
+    differentiable_outputs=1,
+    package="kp-core-tests",
+    spec="twice",
+    dtypes=(torch.float32,),
+)
+
+
+def test_cached_nothing_never_joins_an_autograd_graph_or_a_custom_op_output():
+    x = torch.randn(3, requires_grad=True)
+    out, empty = TWICE(x)
+    out.sum().backward()
+    assert empty.numel() == 0 and empty is not kp_core.nothing(x)  # a fresh one on the autograd path
+    assert all(t.grad_fn is None and not t.requires_grad for t in kp_core.library._NOTHING.values())
+    with torch.no_grad():
+        assert TWICE(x)[1] is kp_core.nothing(x)  # the cached one on the plain path
+    torch.library.opcheck(TWICE.op, (x,))  # outputs of the custom op do not alias

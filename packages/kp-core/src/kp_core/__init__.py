@@ -27,7 +27,7 @@ from kp_core.launch_config import (
     sm_count,
 )
 from kp_core.launches import Launch, LaunchRecord, launch, note_launch, record_launches, reference
-from kp_core.library import KernelInfo, Op, op, registered_kernels
+from kp_core.library import KernelInfo, Op, nothing, op, registered_kernels
 from kp_core.tuning import pin, pinned, settings, unpin
 
 __version__ = "0.2.0"
@@ -61,6 +61,7 @@ __all__ = [
     "launch",
     "next_power_of_2",
     "note_launch",
+    "nothing",
     "op",
     "persistent_programs",
     "pin",

@@ -35,15 +35,17 @@ def forced_backend() -> str:
 
 
 def choose_backend(op: str, *tensors: torch.Tensor) -> str:
-    """Pick the path for one call from the first tensor's device and the environment."""
-    forced = forced_backend()
+    """Pick the path for one call from the first tensor's device and the environment (read on every call, so
+    tests and debugging sessions may change it; two dictionary lookups when neither variable is set)."""
+    env = os.environ
+    forced = forced_backend() if "KP_BACKEND" in env else "auto"
     if forced == REFERENCE:
         return REFERENCE
-    device = tensors[0].device
-    if has_triton() and interpreter_enabled():
+    if env.get("TRITON_INTERPRET") == "1" and has_triton():
         return INTERPRET
-    if device.type == "cuda" and has_triton():  # ROCm devices are "cuda" in torch too
+    if tensors[0].is_cuda and has_triton():  # ROCm devices are "cuda" in torch too
         return TRITON
+    device = tensors[0].device
     if forced == TRITON:
         why = (
             "Triton is not installed"

@@ -83,7 +83,6 @@ def reference(op: str) -> None:
 
 # ---- launching ----
 
-_I32 = range(-(2**31), 2**31)
 # (kernel, device, options, constexprs, argument specialisation) -> (run, function, packed metadata)
 _COMPILED: dict[tuple, tuple] = {}
 _FAST = os.environ.get("KP_FAST_LAUNCH", "1") != "0"
@@ -91,16 +90,18 @@ _FAST = os.environ.get("KP_FAST_LAUNCH", "1") != "0"
 
 def _spec(args: tuple) -> tuple:
     """What Triton specialises a compiled kernel on, per argument (see the module docstring)."""
-    return tuple(
-        (a.dtype, a.data_ptr() & 15 == 0)
-        if isinstance(a, torch.Tensor)
-        else (a.__class__, a)
-        if a.__class__ is bool or a is None
-        else (a in _I32, a == 1, a & 15 == 0)
-        if a.__class__ is int
-        else a.__class__
-        for a in args
-    )
+    out = []
+    for a in args:
+        c = a.__class__
+        if c is int:  # divisible by 16, equal to 1, fits in int32
+            out.append((a & 15 == 0) + 2 * (a == 1) + 4 * (-2147483648 <= a <= 2147483647))
+        elif c is float:
+            out.append(0.5)
+        elif c is bool or a is None:
+            out.append(a)
+        else:  # a tensor: its dtype and whether its data is 16-byte aligned
+            out.append((a.dtype, a.data_ptr() & 15 == 0))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -153,12 +154,16 @@ def launch(
     note_launch(op, kernel.fn.__name__, backend)
 
 
+def _active(hook) -> bool:
+    """A launch hook is set: a function (Triton < 3.6), or a HookChain with calls in it (3.6+, never None)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _launch_compiled(kernel, grid, args, consts, options) -> None:
     t = _TRITON or _triton()
     device = torch.cuda.current_device()
     first = next(a for a in args if isinstance(a, torch.Tensor))
-    hooked = t.hooks.launch_enter_hook is not None or t.hooks.launch_exit_hook is not None
-    if hooked or first.device.index != device:
+    if _active(t.hooks.launch_enter_hook) or _active(t.hooks.launch_exit_hook) or first.device.index != device:
         with torch.cuda.device(first.device):
             kernel[grid](*args, **consts, **options)
         return

@@ -9,8 +9,9 @@
     y, s, mean, rstd = NORM(x, residual, weight, bias, eps, ...)
 
 The contract a package follows:
-- `forward(*args)` is the launcher, with type annotations (they are the op's schema); `forward_fake` returns
-  empty tensors with the outputs' shapes, strides and dtypes.
+- `forward(*args)` is the launcher, with type annotations (they are the op's schema, so its module must not use
+  `from __future__ import annotations`); `forward_fake` returns empty tensors with the outputs' shapes, strides
+  and dtypes.
 - `save(args, outputs)` picks what the backward needs: a tuple of tensors (or None).
 - `backward(*output_grads, *saved, *constants)` gets the gradients of the first `differentiable_outputs`
   outputs (None, or zeros under torch.compile, for an output that received none), the saved tensors, then the
@@ -31,6 +32,7 @@ passes both everywhere; the price is that Inductor calls it as a unit.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +58,29 @@ def registered_kernels() -> dict[str, KernelInfo]:
 
 def _is_tensor(annotation) -> bool:
     return "Tensor" in str(annotation)
+
+
+_NOTHING: dict[tuple, torch.Tensor] = {}
+
+
+def nothing(like: torch.Tensor) -> torch.Tensor:
+    """A zero-size tensor with like's device and dtype, for an output that carries nothing in this call (a norm's
+    statistics when no gradient is needed, say). Cached: an allocation costs several microseconds of an eager
+    call. The custom op (what torch.compile sees) and the autograd path hand out fresh ones instead: a custom op's
+    outputs may not alias, and autograd records its graph on every output (a shared tensor would keep it alive)."""
+    key = (like.device, like.dtype)
+    t = _NOTHING.get(key)
+    if t is None:
+        t = _NOTHING[key] = like.new_empty((0,))
+    return t
+
+
+def _fresh(outputs):
+    """outputs with every cached `nothing` replaced by a new zero-size tensor."""
+    if isinstance(outputs, torch.Tensor):
+        cached = outputs.numel() == 0 and any(outputs is t for t in _NOTHING.values())
+        return outputs.new_empty((0,)) if cached else outputs
+    return tuple(_fresh(o) for o in outputs)
 
 
 class Op:
@@ -99,12 +124,12 @@ class Op:
         self._grad_index = tuple(grad_of.get(n) for n in names)
         self._mutated = tuple(names.index(n) for n in mutates_args)
         self._n_grad_outputs = differentiable_outputs
-        self.op = torch.library.custom_op(name, forward, mutates_args=tuple(mutates_args))
+        self.op = torch.library.custom_op(name, _distinct_outputs(forward), mutates_args=tuple(mutates_args))
         self.op.register_fake(forward_fake)
         _REGISTRY[name] = KernelInfo(name, package, spec, tuple(dtypes), self.op)
         self.backward_op = None
         if backward is not None:
-            self.backward_op = torch.library.custom_op(f"{name}_backward", backward, mutates_args=())
+            self.backward_op = torch.library.custom_op(f"{name}_backward", _distinct_outputs(backward), mutates_args=())
             self.backward_op.register_fake(backward_fake)
             self.op.register_autograd(self._op_backward, setup_context=self._setup_context)
             _REGISTRY[f"{name}_backward"] = KernelInfo(
@@ -153,13 +178,25 @@ class Op:
         return self._input_grads(ctx, results if isinstance(results, tuple) else (results,))
 
 
+def _distinct_outputs(launcher: Callable) -> Callable:
+    """The launcher as the custom op's implementation: the same signature (the op's schema), fresh tensors for
+    cached `nothing` outputs."""
+
+    @functools.wraps(launcher)
+    def impl(*args):
+        return _fresh(launcher(*args))
+
+    return impl
+
+
 class _Function(torch.autograd.Function):
     """The eager path of every declared op with a backward: the same launchers, no dispatcher."""
 
     @staticmethod
     def forward(ctx, op: Op, *args):
         ctx.set_materialize_grads(False)  # an output nobody used must not cost a pass over zeros
-        outputs = op.forward(*args)
+        # Fresh tensors for cached `nothing` outputs: autograd attaches this node to every output it returns.
+        outputs = _fresh(op.forward(*args))
         op._saved(ctx, args, outputs)
         ctx.op = op
         return outputs

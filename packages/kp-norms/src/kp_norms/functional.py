@@ -93,24 +93,31 @@ def _needs_grad(*tensors) -> bool:
 
 def _norm(input, residual, n_shape, weight, bias, eps, rms, offset, round_n, act, in_place=False):
     """Flatten to (rows, N), run, restore shapes. Returns (y, s) with s None without a residual."""
-    n = math.prod(n_shape)
-    rows = math.prod(input.shape[: input.dim() - len(n_shape)])  # explicit, so zero-size inputs reshape too
-    x2 = input.reshape(rows, n)
-    w = None if weight is None else weight.reshape(n)
-    b = None if bias is None else bias.reshape(n)
+    flat = input.dim() == 2 and len(n_shape) == 1  # already (rows, N): no reshapes (each costs microseconds)
+    if flat:
+        rows, n = input.shape
+        x2, w, b = input, weight, bias
+    else:
+        n = math.prod(n_shape)
+        rows = math.prod(input.shape[: input.dim() - len(n_shape)])  # explicit, so zero-size inputs reshape too
+        x2 = input.reshape(rows, n)
+        w = None if weight is None else weight.reshape(n)
+        b = None if bias is None else bias.reshape(n)
     grad = _needs_grad(input, residual, weight, bias)
     if in_place and not grad and _viewable(residual, rows, n):  # inference: the sum goes straight into residual
-        y = ADD_NORM_(x2, residual.view(rows, n), w, b, eps, rms, offset, round_n, act)
-        return y.view(input.shape), residual
-    r2 = None if residual is None else residual.reshape(rows, n)
-    y, s, _, _ = NORM(x2, r2, w, b, eps, rms, offset, round_n, act, grad)
+        y = ADD_NORM_(x2, residual if flat else residual.view(rows, n), w, b, eps, rms, offset, round_n, act)
+        return (y if flat else y.view(input.shape)), residual
+    r2 = None if residual is None or flat else residual.reshape(rows, n)
+    y, s, _, _ = NORM(x2, residual if flat else r2, w, b, eps, rms, offset, round_n, act, grad)
+    if not flat:
+        y = y.view(input.shape)
     if residual is None:
-        return y.view(input.shape), None
-    s = s.view(input.shape)
+        return y, None
+    s = s if flat else s.view(input.shape)
     if in_place:  # autograd (or a layout the kernel cannot write) needs the out-of-place sum, then a copy
         residual.copy_(s)
         s = residual
-    return y.view(input.shape), s
+    return y, s
 
 
 def _viewable(t: torch.Tensor, rows: int, n: int) -> bool:

@@ -91,9 +91,7 @@ class LayerNorm(nn.Module):
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return "{normalized_shape}, eps={eps}, elementwise_affine={elementwise_affine}, bias={bias}".format(
-            **self.__dict__, bias=self.bias is not None
-        )
+        return nn.LayerNorm.extra_repr(self)  # the installed torch's own wording (newer releases add "bias=")
 
 
 class GatedMLP(nn.Module):

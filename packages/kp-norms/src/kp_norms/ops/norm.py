@@ -51,6 +51,15 @@ def _tiles(kernel: str, n: int, element_size: int) -> kp_core.RowConfig:
     return _tiles_for(kernel, n, element_size, kp_core.tuning.generation())
 
 
+def _programs_per_sm() -> int:
+    return _programs_per_sm_for(kp_core.tuning.generation())
+
+
+@functools.lru_cache(maxsize=8)
+def _programs_per_sm_for(_generation: int) -> int:
+    return kp_core.settings("_norm_bwd", programs_per_sm=PROGRAMS_PER_SM)["programs_per_sm"]
+
+
 @functools.lru_cache(maxsize=1024)
 def _tiles_for(kernel: str, n: int, element_size: int, _generation: int) -> kp_core.RowConfig:
     """kp_core.row_config, with rows per program and warps of the fused kernels pinnable per kernel
@@ -200,8 +209,8 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
             cfg.num_warps,
         )
     if not stats:
-        return y, (s if has_r else _empty(x)), _empty(x), _empty(x)
-    return y, (s if has_r else _empty(x)), (_empty(x) if rms else mean), rstd
+        return y, (s if has_r else kp_core.nothing(x)), kp_core.nothing(x), kp_core.nothing(x)
+    return y, (s if has_r else kp_core.nothing(x)), (kp_core.nothing(x) if rms else mean), rstd
 
 
 def forward(
@@ -250,8 +259,7 @@ def backward(
     ds = None if ds is None else _rows(ds)
     dx = x.new_empty((m, n))
     cfg = _tiles("_norm_bwd", n, x.element_size())
-    per_sm = kp_core.settings("_norm_bwd", programs_per_sm=PROGRAMS_PER_SM)["programs_per_sm"]
-    programs = kp_core.persistent_programs(x.device, -(-m // cfg.block_rows), per_sm)
+    programs = kp_core.persistent_programs(x.device, -(-m // cfg.block_rows), _programs_per_sm())
     rows_per_program = -(-m // programs)
     programs = -(-m // rows_per_program)
     has_w, has_b = weight is not None, bias is not None
