@@ -166,6 +166,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python="3.11", tags=["ci"])
 def docs(session: nox.Session) -> None:
+    """The README's package table against packages/, then the site with its links checked (mkdocs --strict)."""
     if _installing(session):
         session.install("mkdocs>=1.6")
+    session.run("python", str(ROOT / "docs" / "check_packages.py"))
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))

@@ -4,7 +4,7 @@
     python benchmarks/bench_glu.py --tune     # sweep kp's tile settings (kp_core.pin) on the headline shapes
 
 gate and up are M x N each. GB/s counts the bytes the op must move: forward 3*M*N*elsize (read gate and up,
-write y); forward+backward 8*M*N*elsize (adds read dy, gate, up; write dgate, dup), DESIGN.md's convention.
+write y); forward+backward 8*M*N*elsize (adds read dy, gate, up; write dgate, dup): the bytes the op must move.
 `kp packed` reads gate and up as the two halves of one M x 2N tensor (swiglu_packed) and writes one gradient.
 
 Each case is timed two ways, every provider alike: replayed from a CUDA graph (the kernels' own speed) and with

@@ -4,7 +4,7 @@
     python benchmarks/bench_norm.py --kernels layer_norm add_rms_norm --no-sweep
     python benchmarks/bench_norm.py --tune             # sweep kp's launch settings on the headline shapes
 
-GB/s counts the bytes the op must move (DESIGN.md's conventions), in bf16:
+GB/s counts the bytes the op must move (the Triton tutorials' convention), in bf16:
     norm forward 2*M*N*2 (read x, write y); forward+backward 5*M*N*2 (adds read x, read dy, write dx);
     add + norm forward 4*M*N*2 (read x, residual; write y, sum); forward+backward 8*M*N*2 (adds read dy,
     d(sum), sum; write one gradient, which is the input's and the residual's).

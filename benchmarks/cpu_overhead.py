@@ -11,7 +11,7 @@ the median round is reported, so drift on a shared machine hits every provider a
 
 Part 2, plain launches: do_bench (no CUDA graph) forward + backward GB/s at 16384 x 4096 and 8192 x 8192 for
 rms_norm, layer_norm and add_rms_norm, kp vs F, with graph replay beside it (the kernels' own speed). Bytes:
-norm fwd+bwd 5*M*N*2, add + norm fwd+bwd 8*M*N*2 (benchmarks/bench_norms.py's conventions).
+norm fwd+bwd 5*M*N*2, add + norm fwd+bwd 8*M*N*2 (benchmarks/bench_norm.py's conventions).
 
 Part 3, where kp's microseconds go: the pieces a call is made of, each timed alone.
 """

@@ -5,7 +5,7 @@ from kp_conformance.launched import assert_kernel_ran, kernel_backend, skip_if_n
 from kp_conformance.spec import SPECS, Spec, declare
 from kp_conformance.strategies import LAYOUTS, make_input, row_shapes
 from kp_conformance.tiers import TIERS, current, register_profiles
-from kp_conformance.tolerance import atol_for, check_close
+from kp_conformance.tolerance import atol_for, check_close, check_decode
 
 __all__ = [
     "LAYOUTS",
@@ -17,6 +17,7 @@ __all__ = [
     "assert_kernel_ran",
     "atol_for",
     "check_close",
+    "check_decode",
     "current",
     "device",
     "dtype_id",

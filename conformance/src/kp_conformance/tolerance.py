@@ -32,3 +32,18 @@ def check_close(what: str, ours: torch.Tensor, ref64: torch.Tensor, lowp: torch.
         f"{what} ({dtype}): max err {err.max().item():.3e} (mean {err.mean().item():.3e}) > bound {bound:.3e} "
         f"= 2 * torch err {err_lowp:.3e} + atol {atol:.3e}"
     )
+
+
+def check_decode(what: str, out, lse, q, k_cache, v_cache, lens, dtype, **kw) -> None:
+    """KV-cache attention by the rule (kp_conformance.references.decode): out against float64 and PyTorch in q's
+    dtype; lse against float64 and logsumexp of the scores PyTorch forms in q's dtype; rows that see no key are 0
+    with lse -inf."""
+    from kp_conformance.references import attention64, attention_lowp, decode, lse_lowp
+
+    ref, ref_lse = decode(attention64, q, k_cache, v_cache, lens, **kw)
+    check_close(f"{what} out", out, ref, decode(attention_lowp, q, k_cache, v_cache, lens, **kw), dtype)
+    assert torch.equal(lse.isinf().cpu(), ref_lse.isinf().cpu()), f"{what}: rows with no visible key differ"
+    fin = ~ref_lse.isinf()
+    low_lse = decode(lambda q, k, v, **a: lse_lowp(q, k, **a), q, k_cache, v_cache, lens, **kw)
+    check_close(f"{what} lse", lse[fin], ref_lse[fin], low_lse[fin], torch.float32)
+    assert (out[ref_lse.transpose(1, 2).isinf()] == 0).all(), f"{what}: rows with no visible key must be 0"

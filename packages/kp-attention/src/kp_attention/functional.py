@@ -122,7 +122,7 @@ def flash_attention_varlen(
     max_seqlen_* must be >= the longest sequence. Masks, softcap, scale and GQA as in flash_attention, per
     sequence (bottom-right aligned). lse has shape (Hq, total_q).
     Checked on the host: dtypes, shapes and lengths always; the values of cu_seqlens (start, order, end,
-    max_seqlen) in eager mode, which reads them back once (set kp_attention.ops.flash.VALIDATE_CU_SEQLENS = False
+    max_seqlen) in eager mode, which reads them back once (set kp_attention.ops.attention.VALIDATE_CU_SEQLENS = False
     to skip that sync).
     """
     op = "kp_attention.flash_attention_varlen"

@@ -264,9 +264,11 @@ def backward(
     programs = -(-m // rows_per_program)
     has_w, has_b = weight is not None, bias is not None
     acc = acc_dtype(x.dtype)
-    # dw's and db's partials in one buffer; the looped kernel keeps its Kahan compensations beside them.
+    # Compensated sums where the result keeps fp32 precision from fp32 accumulation (see norm_kernels).
+    kahan = acc == torch.float32 and any(t is not None and t.dtype == torch.float32 for t in (weight, bias))
+    # dw's and db's partials in one buffer; the looped kernel keeps its compensations beside them.
     n_parts = max(1, has_w + has_b)
-    parts = x.new_empty(((2 if cfg.looped else 1) * n_parts, programs, n), dtype=acc)
+    parts = x.new_empty(((2 if cfg.looped and kahan else 1) * n_parts, programs, n), dtype=acc)
     dw_part, db_part = parts[0], parts[n_parts - 1]
     args = (
         dy,
@@ -292,10 +294,11 @@ def backward(
         OFFSET=offset,
         ROUND_N=round_n,
         ACT=act,
+        KAHAN=kahan,
         ACC=_tl_acc(x.dtype),
     )
     if cfg.looped:
-        comps = (parts[n_parts], parts[-1])  # dw's, db's
+        comps = (parts[n_parts], parts[-1]) if kahan else (dw_part, db_part)  # dw's, db's (unused without KAHAN)
         kp_core.launch(
             OP_BWD,
             backend,

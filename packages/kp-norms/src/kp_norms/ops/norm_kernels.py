@@ -5,8 +5,10 @@ registers in chunks. Backward: `_norm_bwd` is persistent (a slice of rows per pr
 issued before this block's maths); `_norm_bwd_looped` walks wide rows in chunks. Both leave one dw/db partial
 per program, and `_norm_bwd_sum` adds the partials and casts them to the parameters' dtypes.
 
-dw and db accumulate with Kahan compensation: a program sums hundreds of rows one after another, and plain
-fp32 accumulation there is several times less accurate than PyTorch's pairwise reduction of the same terms.
+A program sums hundreds of rows of dw and db terms one after another. In fp64 (fp32 and fp64 inputs) that is exact
+enough; in fp32 it is several times less accurate than a pairwise reduction, which only shows when the result keeps
+fp32 precision: half-precision inputs with fp32 weights. There (KAHAN) the sums carry a compensation term. Elsewhere
+they do not: its registers slow the fused backward down where rows are wide.
 """
 
 import triton
@@ -21,6 +23,18 @@ def _kahan(total, comp, x):
     y = x - comp
     t = total + y
     return t, (t - total) - y
+
+
+@triton.jit
+def _accumulate(PART, COMP, x, mask, KAHAN: tl.constexpr):
+    """*PART += x, compensated in *COMP when KAHAN (a program's own partial row: race-free read-modify-write)."""
+    total = tl.load(PART, mask=mask, other=0.0)
+    if KAHAN:
+        total, comp = _kahan(total, tl.load(COMP, mask=mask, other=0.0), x)
+        tl.store(COMP, comp, mask=mask)
+    else:
+        total += x
+    tl.store(PART, total, mask=mask)
 
 
 @triton.jit
@@ -260,6 +274,7 @@ def _norm_bwd(
     OFFSET: tl.constexpr,
     ROUND_N: tl.constexpr,
     ACT: tl.constexpr,
+    KAHAN: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Each program walks `rows_per_program` rows, BLOCK_M at a time, and writes one dw/db partial row.
@@ -273,9 +288,10 @@ def _norm_bwd(
     b = tl.load(B + cols, mask=col_ok, other=0.0).to(ACC)[None, :] if HAS_B else None
     w_eff = (w + OFFSET if OFFSET != 0.0 else w) if HAS_W else None
     dw = tl.zeros([BLOCK_N], dtype=ACC)
-    dw_c = tl.zeros([BLOCK_N], dtype=ACC)
     db = tl.zeros([BLOCK_N], dtype=ACC)
-    db_c = tl.zeros([BLOCK_N], dtype=ACC)
+    if KAHAN:
+        dw_c = tl.zeros([BLOCK_N], dtype=ACC)
+        db_c = tl.zeros([BLOCK_N], dtype=ACC)
     first = pid * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
     rows = first + tl.arange(0, BLOCK_M)
@@ -300,9 +316,15 @@ def _norm_bwd(
         dn = dz
         if HAS_W:
             dn = dz * w_eff
-            dw, dw_c = _kahan(dw, dw_c, tl.sum(dz * n_w, axis=0))
+            if KAHAN:
+                dw, dw_c = _kahan(dw, dw_c, tl.sum(dz * n_w, axis=0))
+            else:
+                dw += tl.sum(dz * n_w, axis=0)
         if HAS_B:
-            db, db_c = _kahan(db, db_c, tl.sum(dz, axis=0))
+            if KAHAN:
+                db, db_c = _kahan(db, db_c, tl.sum(dz, axis=0))
+            else:
+                db += tl.sum(dz, axis=0)
         dx = dn - n * (tl.sum(dn * n, axis=1) / N)[:, None]
         if not RMS:
             dx = dx - (tl.sum(dn, axis=1) / N)[:, None]
@@ -310,10 +332,13 @@ def _norm_bwd(
         if HAS_DS:
             dx += tl.load(DS + cur_rows64 * stride_ds + cols[None, :], mask=cur_mask, other=0.0).to(ACC)
         tl.store(DX + cur_rows64 * stride_dx + cols[None, :], dx, mask=cur_mask)
+    if KAHAN:
+        dw = dw - dw_c
+        db = db - db_c
     if HAS_W:
-        tl.store(DW_PART + pid * N + cols, dw - dw_c, mask=col_ok)
+        tl.store(DW_PART + pid * N + cols, dw, mask=col_ok)
     if HAS_B:
-        tl.store(DB_PART + pid * N + cols, db - db_c, mask=col_ok)
+        tl.store(DB_PART + pid * N + cols, db, mask=col_ok)
 
 
 @triton.jit
@@ -345,6 +370,7 @@ def _norm_bwd_looped(
     OFFSET: tl.constexpr,
     ROUND_N: tl.constexpr,
     ACT: tl.constexpr,
+    KAHAN: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Rows too wide for registers: per row a pass for mean(dn * n) and mean(dn), then a pass for dx. The
@@ -364,10 +390,12 @@ def _norm_bwd_looped(
         ok = cols < N
         if HAS_W:
             tl.store(dw_row + cols, zero, mask=ok)
-            tl.store(dw_comp + cols, zero, mask=ok)
+            if KAHAN:
+                tl.store(dw_comp + cols, zero, mask=ok)
         if HAS_B:
             tl.store(db_row + cols, zero, mask=ok)
-            tl.store(db_comp + cols, zero, mask=ok)
+            if KAHAN:
+                tl.store(db_comp + cols, zero, mask=ok)
     for i in range(0, last - first):
         row = first + i
         row64 = row.to(tl.int64)
@@ -406,17 +434,9 @@ def _norm_bwd_looped(
             dn = dz
             if HAS_W:
                 dn = dz * (w + OFFSET if OFFSET != 0.0 else w)
-                t, c = _kahan(
-                    tl.load(dw_row + cols, mask=ok, other=0.0), tl.load(dw_comp + cols, mask=ok, other=0.0), dz * n_w
-                )
-                tl.store(dw_row + cols, t, mask=ok)
-                tl.store(dw_comp + cols, c, mask=ok)
+                _accumulate(dw_row + cols, dw_comp + cols, dz * n_w, ok, KAHAN)
             if HAS_B:
-                t, c = _kahan(
-                    tl.load(db_row + cols, mask=ok, other=0.0), tl.load(db_comp + cols, mask=ok, other=0.0), dz
-                )
-                tl.store(db_row + cols, t, mask=ok)
-                tl.store(db_comp + cols, c, mask=ok)
+                _accumulate(db_row + cols, db_comp + cols, dz, ok, KAHAN)
             dx = dn - n * c1
             if not RMS:
                 dx = dx - c2
@@ -424,13 +444,14 @@ def _norm_bwd_looped(
             if HAS_DS:
                 dx += tl.load(DS + row64 * stride_ds + cols, mask=ok, other=0.0).to(ACC)
             tl.store(DX + row64 * stride_dx + cols, dx, mask=ok)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        ok = cols < N
-        if HAS_W:
-            tl.store(dw_row + cols, tl.load(dw_row + cols, mask=ok) - tl.load(dw_comp + cols, mask=ok), mask=ok)
-        if HAS_B:
-            tl.store(db_row + cols, tl.load(db_row + cols, mask=ok) - tl.load(db_comp + cols, mask=ok), mask=ok)
+    if KAHAN:
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            ok = cols < N
+            if HAS_W:
+                tl.store(dw_row + cols, tl.load(dw_row + cols, mask=ok) - tl.load(dw_comp + cols, mask=ok), mask=ok)
+            if HAS_B:
+                tl.store(db_row + cols, tl.load(db_row + cols, mask=ok) - tl.load(db_comp + cols, mask=ok), mask=ok)
 
 
 @triton.jit
