@@ -15,6 +15,7 @@ from kp_attention.ops import decode as decode_mod
 
 import kp_conformance as kc
 import kp_core
+from kp_conformance import kv_cache, randn
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TIER = kc.current()
@@ -38,27 +39,11 @@ kc.declare(
 
 
 def rand(*shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=DEVICE)
+    return randn(*shape, dtype=dtype, device=DEVICE, seed=seed)
 
 
 def make_cache(batch, capacity, hkv, d, dtype, paged, seed, page=32):
-    """(k_cache, v_cache, block_table): paged caches get shuffled pages plus spare ones."""
-    if not paged:
-        return (
-            rand(batch, capacity, hkv, d, dtype=dtype, seed=seed),
-            rand(batch, capacity, hkv, d, dtype=dtype, seed=seed + 1),
-            None,
-        )
-    per_seq = -(-capacity // page)
-    num_blocks = batch * per_seq + 3
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed + 2))
-    bt = order[: batch * per_seq].view(batch, per_seq).to(torch.int32).to(DEVICE)
-    return (
-        rand(num_blocks, page, hkv, d, dtype=dtype, seed=seed),
-        rand(num_blocks, page, hkv, d, dtype=dtype, seed=seed + 1),
-        bt,
-    )
+    return kv_cache(batch, capacity, hkv, d, dtype, DEVICE, paged=paged, seed=seed, page=page)
 
 
 @st.composite

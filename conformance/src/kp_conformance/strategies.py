@@ -111,3 +111,32 @@ def make_input(shape: tuple[int, ...], dtype: torch.dtype, device, layout: str, 
 
 def numel(shape) -> int:
     return math.prod(shape)
+
+
+def randn(*shape, dtype: torch.dtype, device, seed: int) -> torch.Tensor:
+    """A seeded standard normal tensor (drawn in float64 on the CPU, then cast and moved: the same values on every
+    device)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+def kv_cache(batch, capacity, heads, head_dim, dtype, device, *, paged: bool, seed: int, page: int = 16):
+    """(k_cache, v_cache, block_table) holding `capacity` tokens per sequence: (batch, capacity, heads, head_dim),
+    or paged (blocks, page, heads, head_dim) with shuffled pages plus spare ones and an int32 block table."""
+    if not paged:
+        shape = (batch, capacity, heads, head_dim)
+        return (
+            randn(*shape, dtype=dtype, device=device, seed=seed),
+            randn(*shape, dtype=dtype, device=device, seed=seed + 1),
+            None,
+        )
+    per_seq = -(-capacity // page)
+    num_blocks = batch * per_seq + 3
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed + 2))
+    table = order[: batch * per_seq].view(batch, per_seq).to(torch.int32).to(device)
+    shape = (num_blocks, page, heads, head_dim)
+    return (
+        randn(*shape, dtype=dtype, device=device, seed=seed),
+        randn(*shape, dtype=dtype, device=device, seed=seed + 1),
+        table,
+    )

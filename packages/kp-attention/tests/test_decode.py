@@ -11,6 +11,7 @@ import torch
 from kp_attention.ops import decode
 
 import kp_core
+from kp_conformance.strategies import kv_cache, randn
 from kp_conformance.tolerance import check_decode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,24 +42,11 @@ def check(name, out, lse, q, k_cache, v_cache, lens, **kw):
 
 
 def rand(*shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=DEVICE)
+    return randn(*shape, dtype=dtype, device=DEVICE, seed=seed)
 
 
 def make_cache(batch, capacity, hkv, d, dtype, paged, seed, page=16):
-    """(k_cache, v_cache, block_table): paged caches get shuffled pages plus spare ones."""
-    if not paged:
-        return (
-            rand(batch, capacity, hkv, d, dtype=dtype, seed=seed),
-            rand(batch, capacity, hkv, d, dtype=dtype, seed=seed + 1),
-            None,
-        )
-    per_seq = capacity // page
-    num_blocks = batch * per_seq + 3
-    g = torch.Generator().manual_seed(seed + 2)
-    bt = torch.randperm(num_blocks, generator=g)[: batch * per_seq].view(batch, per_seq).to(torch.int32).to(DEVICE)
-    k_cache = rand(num_blocks, page, hkv, d, dtype=dtype, seed=seed)
-    return k_cache, rand(num_blocks, page, hkv, d, dtype=dtype, seed=seed + 1), bt
+    return kv_cache(batch, capacity, hkv, d, dtype, DEVICE, paged=paged, seed=seed, page=page)
 
 
 # ---- values ----

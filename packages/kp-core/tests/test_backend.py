@@ -55,3 +55,34 @@ def test_launch_record_sees_other_threads():
         t.start()
         t.join()
     assert rec.count(op="kp::bwd") == 1
+
+
+def test_direct_launch_key_separates_what_triton_specialises_on():
+    """The key of kp_core.launch's compiled-kernel cache: tensors by dtype and 16-byte alignment, ints by range,
+    == 1 and divisibility by 16, floats all alike, bools and None by value."""
+    from kp_core.launches import _spec
+
+    x = torch.zeros(64)
+    key = _spec((x, 16, 17, 1, 2**40, 0.5, True, None))
+    assert key == _spec((torch.ones(64), 32, 33, 1, 2**41, 3.0, True, None))
+    assert key != _spec((x[1:], 16, 17, 1, 2**40, 0.5, True, None))  # misaligned data pointer
+    assert key != _spec((x.double(), 16, 17, 1, 2**40, 0.5, True, None))  # dtype
+    for changed in ((1, 17), (2, 16), (3, 2), (4, 7), (6, False), (7, 0)):
+        args = [x, 16, 17, 1, 2**40, 0.5, True, None]
+        args[changed[0]] = changed[1]
+        assert _spec(tuple(args)) != key, changed
+
+
+def test_launch_refuses_arguments_out_of_the_kernels_order(monkeypatch):
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    @triton.jit
+    def _kernel(X, n, BLOCK: tl.constexpr, SCALE: tl.constexpr):
+        pass
+
+    x = torch.zeros(4)
+    with pytest.raises(TypeError, match="_kernel takes"):
+        kp_core.launch("op", kp_core.INTERPRET, _kernel, (1,), (x, 4), dict(SCALE=2, BLOCK=4))

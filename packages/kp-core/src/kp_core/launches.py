@@ -167,7 +167,7 @@ def _launch_compiled(kernel, grid, args, consts, options) -> None:
         with torch.cuda.device(first.device):
             kernel[grid](*args, **consts, **options)
         return
-    key = (kernel, device, num_key(options), tuple(consts.values()), _spec(args))
+    key = (kernel, device, options["num_warps"], options.get("num_stages"), tuple(consts.values()), _spec(args))
     hit = _COMPILED.get(key)
     if hit is None:  # Triton's JIT compiles (or finds) the kernel and launches it this once
         _check_order(kernel, args, consts)
@@ -202,12 +202,3 @@ def _check_order(kernel, args: tuple, consts: dict) -> None:
             f"constexprs {list(consts)} (runtime arguments first, then every constexpr in order)"
         )
     _ORDER_OK.add(key)
-
-
-def num_key(options: dict) -> tuple:
-    return (options["num_warps"], options.get("num_stages"))
-
-
-def compiled_count() -> int:
-    """How many (kernel, specialisation) entries the direct-call cache holds (tests, diagnostics)."""
-    return len(_COMPILED)
