@@ -14,6 +14,8 @@ rms_norm, layer_norm and add_rms_norm, kp vs F, with graph replay beside it (the
 norm fwd+bwd 5*M*N*2, add + norm fwd+bwd 8*M*N*2 (benchmarks/bench_norm.py's conventions).
 
 Part 3, where kp's microseconds go: the pieces a call is made of, each timed alone.
+
+    python benchmarks/cpu_overhead.py --profile   # cProfile of kp's eager calls, forward and backward threads
 """
 
 import argparse
@@ -307,6 +309,35 @@ def pieces(iters: int) -> dict[str, float]:
     return out
 
 
+def profile(iters: int, top: int = 30) -> None:
+    """cProfile of kp's calls per mode. On Python 3.12+ one profiler sees every thread (autograd runs CUDA
+    backward on its own device thread). Times are inflated by the profiler; the shares are what to read."""
+    import cProfile
+
+    cases, make = norm_cases()
+    for op in ("rms_norm", "layer_norm"):
+        for mode, call in _calls(cases[op]["kp"], make(), True).items():
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+            plain = harness.wall_us_per_call(call, iters)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(iters):
+                call()
+            torch.cuda.synchronize()
+            prof.disable()
+            prof.create_stats()
+            print(f"\n===== {op} {mode}: {plain:.1f} us per call unprofiled; us per call: tottime cumtime ncalls")
+            for (file, line, fn), (_cc, nc, tt, ct, _callers) in sorted(prof.stats.items(), key=lambda kv: -kv[1][2])[
+                :top
+            ]:
+                print(
+                    f"{1e6 * tt / iters:8.2f} {1e6 * ct / iters:8.2f} {nc / iters:5.1f}  "
+                    f"{file.rsplit('/', 1)[-1]}:{line}({fn})"
+                )
+
+
 # ---- output ----
 
 
@@ -364,8 +395,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--tag", default="", help="suffix for the result files (e.g. -before)")
     parser.add_argument("--skip-plain", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print cProfile tables of kp's calls; write nothing")
     args = parser.parse_args()
     harness.require_gpu()
+    if args.profile:
+        profile(args.iters)
+        return
     copy = harness.copy_bandwidth_gbps()
     cost = cpu_cost(args.iters)
     plain = [] if args.skip_plain else plain_launch(copy)

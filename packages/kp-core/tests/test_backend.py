@@ -73,6 +73,20 @@ def test_direct_launch_key_separates_what_triton_specialises_on():
         assert _spec(tuple(args)) != key, changed
 
 
+def test_constexprs_key_is_equal_exactly_when_names_types_and_values_are():
+    a = kp_core.Constexprs(BLOCK=64, RMS=True, OFFSET=1.0, ACC=torch.float32)
+    assert dict(a) == {"BLOCK": 64, "RMS": True, "OFFSET": 1.0, "ACC": torch.float32}
+    assert kp_core.Constexprs(BLOCK=64, RMS=True, OFFSET=1.0, ACC=torch.float32).key == a.key
+    for other in (
+        dict(BLOCK=128, RMS=True, OFFSET=1.0, ACC=torch.float32),
+        dict(BLOCK=64, RMS=1, OFFSET=1.0, ACC=torch.float32),  # True and 1 compare equal; the kernel sees them apart
+        dict(BLOCK=64, RMS=True, OFFSET=0.0, ACC=torch.float32),
+        dict(BLOCK=64, RMS=True, OFFSET=1.0, ACC=torch.float64),
+        dict(BLOCKS=64, RMS=True, OFFSET=1.0, ACC=torch.float32),
+    ):
+        assert kp_core.Constexprs(**other).key != a.key, other
+
+
 def test_launch_refuses_arguments_out_of_the_kernels_order(monkeypatch):
     triton = pytest.importorskip("triton")
     import triton.language as tl

@@ -120,7 +120,7 @@ def test_mutating_op_bumps_the_version_counter_in_eager_mode():
 
 
 def _twice(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return 2 * x, kp_core.nothing(x)
+    return 2 * x, None  # the second output carries nothing in this call
 
 
 def _twice_backward(dy: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,7 @@ def _twice_backward(dy: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor
 TWICE = kp_core.op(
     "kp_core_test::twice",
     _twice,
-    lambda x: (torch.empty_like(x), x.new_empty((0,))),
+    lambda x: (torch.empty_like(x), None),
     backward=_twice_backward,
     backward_fake=lambda dy, x: torch.empty_like(x),
     save=lambda args, outputs: (args[0],),
@@ -142,12 +142,30 @@ TWICE = kp_core.op(
 )
 
 
-def test_cached_nothing_never_joins_an_autograd_graph_or_a_custom_op_output():
+def test_none_outputs_stay_none_in_eager_mode_and_become_empty_tensors_in_the_custom_op():
     x = torch.randn(3, requires_grad=True)
-    out, empty = TWICE(x)
+    out, nothing = TWICE(x)  # the autograd path
+    assert nothing is None
     out.sum().backward()
-    assert empty.numel() == 0 and empty is not kp_core.nothing(x)  # a fresh one on the autograd path
-    assert all(t.grad_fn is None and not t.requires_grad for t in kp_core.library._NOTHING.values())
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
     with torch.no_grad():
-        assert TWICE(x)[1] is kp_core.nothing(x)  # the cached one on the plain path
-    torch.library.opcheck(TWICE.op, (x,))  # outputs of the custom op do not alias
+        assert TWICE(x)[1] is None  # the plain path
+    out, empty = TWICE.op(x)
+    assert empty.shape == (0,) and empty.dtype == x.dtype
+    torch.library.opcheck(TWICE.op, (x,))  # schema, fake and autograd registration agree
+
+
+def test_workspace_is_reused_per_key_and_not_past_its_limits(monkeypatch):
+    from kp_core import scratch
+
+    x = torch.empty(4)
+    a = kp_core.workspace(x, (2, 3), torch.float64)
+    assert a.shape == (2, 3) and a.dtype == torch.float64
+    assert kp_core.workspace(x, (2, 3), torch.float64) is a
+    assert kp_core.workspace(x, (3, 2), torch.float64) is not a  # another shape, another buffer
+    assert kp_core.workspace(x, (2, 3), torch.float32) is not a
+    monkeypatch.setattr(scratch, "MAX_BYTES", 8)
+    big = kp_core.workspace(x, (5,), torch.float64)
+    assert kp_core.workspace(x, (5,), torch.float64) is not big  # over MAX_BYTES: never cached
+    scratch.clear()
+    assert kp_core.workspace(x, (2, 3), torch.float64) is not a

@@ -1,4 +1,5 @@
-"""kp-core: backend choice, input checks, launch settings, kernel launches and records, op declaration."""
+"""kp-core: backend choice, input checks, launch settings, kernel launches and records, op declaration, reused
+scratch buffers."""
 
 from kp_core.backend import (
     INTERPRET,
@@ -26,13 +27,15 @@ from kp_core.launch_config import (
     row_config,
     sm_count,
 )
-from kp_core.launches import Launch, LaunchRecord, launch, note_launch, record_launches, reference
-from kp_core.library import KernelInfo, Op, nothing, op, registered_kernels
+from kp_core.launches import Constexprs, Launch, LaunchRecord, launch, note_launch, record_launches, reference
+from kp_core.library import KernelInfo, Op, op, registered_kernels
+from kp_core.scratch import workspace
 from kp_core.tuning import pin, pinned, settings, unpin
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "Constexprs",
     "FLOAT_DTYPES",
     "GELU_TANH_CUBIC",
     "INTERPRET",
@@ -61,7 +64,6 @@ __all__ = [
     "launch",
     "next_power_of_2",
     "note_launch",
-    "nothing",
     "op",
     "persistent_programs",
     "pin",
@@ -73,4 +75,5 @@ __all__ = [
     "settings",
     "sm_count",
     "unpin",
+    "workspace",
 ]

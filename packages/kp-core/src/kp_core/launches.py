@@ -89,19 +89,37 @@ _FAST = os.environ.get("KP_FAST_LAUNCH", "1") != "0"
 
 
 def _spec(args: tuple) -> tuple:
-    """What Triton specialises a compiled kernel on, per argument (see the module docstring)."""
-    out = []
-    for a in args:
-        c = a.__class__
-        if c is int:  # divisible by 16, equal to 1, fits in int32
-            out.append((a & 15 == 0) + 2 * (a == 1) + 4 * (-2147483648 <= a <= 2147483647))
-        elif c is float:
-            out.append(0.5)
-        elif c is bool or a is None:
-            out.append(a)
-        else:  # a tensor: its dtype and whether its data is 16-byte aligned
-            out.append((a.dtype, a.data_ptr() & 15 == 0))
-    return tuple(out)
+    """What Triton specialises a compiled kernel on, per argument (see the module docstring): for an int whether
+    it divides by 16, is 1 and fits in int32; for a tensor its dtype and 16-byte alignment."""
+    return tuple(
+        [
+            (a & 15 == 0) + 2 * (a == 1) + 4 * (-2147483648 <= a <= 2147483647)
+            if a.__class__ is int
+            else (a.dtype, a.data_ptr() & 15 == 0)
+            if isinstance(a, torch.Tensor)
+            else 0.5
+            if a.__class__ is float
+            else a  # None, bool
+            for a in args
+        ]
+    )
+
+
+_INTERNED: dict[tuple, int] = {}
+
+
+class Constexprs(dict):
+    """A launch's constexprs made once and reused (a launcher's cached plan): the launch key holds one interned
+    int for them instead of hashing every value per call (Triton's dtypes hash in Python)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, **values):
+        super().__init__(values)
+        plain = tuple(
+            (n, type(v).__name__, v if isinstance(v, (int, float, bool)) else repr(v)) for n, v in values.items()
+        )
+        self.key = _INTERNED.setdefault(plain, len(_INTERNED))
 
 
 @dataclass(frozen=True)
@@ -145,13 +163,17 @@ def launch(
 
     `args` are the runtime arguments in the kernel's order, `consts` its constexprs by name. The constexprs
     must follow the runtime arguments in the kernel's signature (kp's kernels are written that way)."""
-    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
     if backend == INTERPRET or not _FAST:
         _check_order(kernel, args, consts)
-        kernel[grid](*args, **consts, **options)
+        kernel[grid](*args, **consts, **_options(num_warps, num_stages))
     else:
-        _launch_compiled(kernel, grid, args, consts, options)
-    note_launch(op, kernel.fn.__name__, backend)
+        _launch_compiled(kernel, grid, args, consts, num_warps, num_stages)
+    if _records:
+        note_launch(op, kernel.fn.__name__, backend)
+
+
+def _options(num_warps: int, num_stages: int | None) -> dict:
+    return {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
 
 
 def _active(hook) -> bool:
@@ -159,19 +181,21 @@ def _active(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _launch_compiled(kernel, grid, args, consts, options) -> None:
+def _launch_compiled(kernel, grid, args, consts, num_warps, num_stages) -> None:
     t = _TRITON or _triton()
-    device = torch.cuda.current_device()
-    first = next(a for a in args if isinstance(a, torch.Tensor))
-    if _active(t.hooks.launch_enter_hook) or _active(t.hooks.launch_exit_hook) or first.device.index != device:
+    device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its Python wrapper
+    first = args[0] if isinstance(args[0], torch.Tensor) else next(a for a in args if isinstance(a, torch.Tensor))
+    if _active(t.hooks.launch_enter_hook) or _active(t.hooks.launch_exit_hook) or first.get_device() != device:
         with torch.cuda.device(first.device):
-            kernel[grid](*args, **consts, **options)
+            kernel[grid](*args, **consts, **_options(num_warps, num_stages))
         return
-    key = (kernel, device, options["num_warps"], options.get("num_stages"), tuple(consts.values()), _spec(args))
+    # id(kernel): a JITFunction hashes its source key in Python; kp's kernels live as long as their modules.
+    consts_key = consts.key if consts.__class__ is Constexprs else tuple(consts.values())
+    key = (id(kernel), device, num_warps, num_stages, consts_key, *_spec(args))
     hit = _COMPILED.get(key)
     if hit is None:  # Triton's JIT compiles (or finds) the kernel and launches it this once
         _check_order(kernel, args, consts)
-        compiled = kernel[grid](*args, **consts, **options)
+        compiled = kernel[grid](*args, **consts, **_options(num_warps, num_stages))
         compiled._init_handles()
         _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)
         return

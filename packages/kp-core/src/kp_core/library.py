@@ -11,12 +11,14 @@
 The contract a package follows:
 - `forward(*args)` is the launcher, with type annotations (they are the op's schema, so its module must not use
   `from __future__ import annotations`); `forward_fake` returns empty tensors with the outputs' shapes, strides
-  and dtypes.
+  and dtypes. Either may return None in place of an output that carries nothing in this call (a norm's
+  statistics in inference): the eager path passes None on, which costs no allocation; the custom op, whose
+  schema wants a tensor, gets a zero-size one with the first tensor argument's device and dtype.
 - `save(args, outputs)` picks what the backward needs: a tuple of tensors (or None).
 - `backward(*output_grads, *saved, *constants)` gets the gradients of the first `differentiable_outputs`
   outputs (None, or zeros under torch.compile, for an output that received none), the saved tensors, then the
-  forward's non-tensor arguments in order. It returns one tensor per name in `grad_inputs`, an empty tensor
-  standing for an input that was None. `same_grad={"residual": "x"}` gives an input another one's gradient.
+  forward's non-tensor arguments in order. It returns one tensor per name in `grad_inputs`, None (or an empty
+  tensor) standing for an input that was None. `same_grad={"residual": "x"}` gives an input another one's gradient.
 
 From that, kp-core makes `kp::<name>` and `kp::<name>_backward` with `torch.library.custom_op` (fake kernels,
 `register_autograd`), registers both in the kernel registry, and the declared object is what callers use:
@@ -60,29 +62,6 @@ def _is_tensor(annotation) -> bool:
     return "Tensor" in str(annotation)
 
 
-_NOTHING: dict[tuple, torch.Tensor] = {}
-
-
-def nothing(like: torch.Tensor) -> torch.Tensor:
-    """A zero-size tensor with like's device and dtype, for an output that carries nothing in this call (a norm's
-    statistics when no gradient is needed, say). Cached: an allocation costs several microseconds of an eager
-    call. The custom op (what torch.compile sees) and the autograd path hand out fresh ones instead: a custom op's
-    outputs may not alias, and autograd records its graph on every output (a shared tensor would keep it alive)."""
-    key = (like.device, like.dtype)
-    t = _NOTHING.get(key)
-    if t is None:
-        t = _NOTHING[key] = like.new_empty((0,))
-    return t
-
-
-def _fresh(outputs):
-    """outputs with every cached `nothing` replaced by a new zero-size tensor."""
-    if isinstance(outputs, torch.Tensor):
-        cached = outputs.numel() == 0 and any(outputs is t for t in _NOTHING.values())
-        return outputs.new_empty((0,)) if cached else outputs
-    return tuple(_fresh(o) for o in outputs)
-
-
 class Op:
     """A declared op (see the module docstring); call it with the forward's arguments."""
 
@@ -122,15 +101,16 @@ class Op:
         if unknown:
             raise TypeError(f"{name}: grad_inputs / same_grad name {sorted(unknown)}, not arguments of {names}")
         self._grad_index = tuple(grad_of.get(n) for n in names)
+        self._tensor_grad_index = tuple(self._grad_index[i] for i in self._tensors)
         self._mutated = tuple(names.index(n) for n in mutates_args)
         self._n_grad_outputs = differentiable_outputs
-        self.op = torch.library.custom_op(name, _distinct_outputs(forward), mutates_args=tuple(mutates_args))
-        self.op.register_fake(forward_fake)
+        self.op = torch.library.custom_op(name, _schema_outputs(forward), mutates_args=tuple(mutates_args))
+        self.op.register_fake(_schema_outputs(forward_fake))
         _REGISTRY[name] = KernelInfo(name, package, spec, tuple(dtypes), self.op)
         self.backward_op = None
         if backward is not None:
-            self.backward_op = torch.library.custom_op(f"{name}_backward", _distinct_outputs(backward), mutates_args=())
-            self.backward_op.register_fake(backward_fake)
+            self.backward_op = torch.library.custom_op(f"{name}_backward", _schema_outputs(backward), mutates_args=())
+            self.backward_op.register_fake(_schema_outputs(backward_fake))
             self.op.register_autograd(self._op_backward, setup_context=self._setup_context)
             _REGISTRY[f"{name}_backward"] = KernelInfo(
                 f"{name}_backward", package, spec, tuple(dtypes), self.backward_op
@@ -143,10 +123,11 @@ class Op:
         if torch.compiler.is_compiling():
             return self.op(*args)
         if self.backward is not None and torch.is_grad_enabled():
-            for i in self._tensors:
-                a = args[i]
+            tensors = [args[i] for i in self._tensors]
+            for a in tensors:
                 if a is not None and a.requires_grad:
-                    return _Function.apply(self, *args)
+                    # Only the tensors go to apply (autograd's inputs); every argument it is given costs time.
+                    return _Function.apply(self, args, *tensors)
         out = self.forward(*args)
         for i in self._mutated:  # what the dispatcher does for a mutating op: autograd sees the write
             if args[i] is not None:
@@ -158,46 +139,52 @@ class Op:
     def _saved(self, ctx, args, outputs) -> None:
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         ctx.save_for_backward(*self._save(args, outputs))
-        ctx.constants = tuple(args[i] for i in self._constants)
-        ctx.absent = tuple(args[i] is None for i in range(len(args)))
-        grads = outputs if self._n_grad_outputs is None else outputs[: self._n_grad_outputs]
-        ctx.n_grads = len(grads)
-        ctx.mark_non_differentiable(*outputs[len(grads) :])
+        ctx.constants = tuple([args[i] for i in self._constants])
+        ctx.n_grads = n = len(outputs) if self._n_grad_outputs is None else self._n_grad_outputs
+        if len(outputs) > n:
+            ctx.mark_non_differentiable(*[o for o in outputs[n:] if o is not None])
 
-    def _input_grads(self, ctx, results) -> tuple:
+    def _input_grads(self, absent, needs_input_grad, results) -> tuple:
+        """The backward's results per forward argument: None where there is no gradient to give."""
         return tuple(
-            None if k is None or ctx.absent[i] or not ctx.needs_input_grad[i] else results[k]
+            None if k is None or absent[i] or not needs_input_grad[i] else results[k]
             for i, k in enumerate(self._grad_index)
         )
 
     def _setup_context(self, ctx, inputs, output) -> None:
         self._saved(ctx, inputs, output)
+        ctx.absent = tuple(a is None for a in inputs)
 
     def _op_backward(self, ctx, *grads):
         results = self.backward_op(*grads[: ctx.n_grads], *ctx.saved_tensors, *ctx.constants)
-        return self._input_grads(ctx, results if isinstance(results, tuple) else (results,))
+        results = results if isinstance(results, tuple) else (results,)
+        return self._input_grads(ctx.absent, ctx.needs_input_grad, results)
 
 
-def _distinct_outputs(launcher: Callable) -> Callable:
-    """The launcher as the custom op's implementation: the same signature (the op's schema), fresh tensors for
-    cached `nothing` outputs."""
+def _schema_outputs(fn: Callable) -> Callable:
+    """A launcher (or fake) as the custom op's implementation: the same signature (the op's schema), with each
+    None output replaced by a zero-size tensor on the first tensor argument's device and dtype."""
 
-    @functools.wraps(launcher)
+    @functools.wraps(fn)
     def impl(*args):
-        return _fresh(launcher(*args))
+        out = fn(*args)
+        if isinstance(out, tuple) and any(o is None for o in out):
+            like = next(a for a in args if isinstance(a, torch.Tensor))
+            out = tuple(like.new_empty((0,)) if o is None else o for o in out)
+        return out
 
     return impl
 
 
 class _Function(torch.autograd.Function):
-    """The eager path of every declared op with a backward: the same launchers, no dispatcher."""
+    """The eager path of every declared op with a backward: the same launchers, no dispatcher. apply gets the
+    op, all its arguments, then its tensor arguments again (the inputs autograd tracks)."""
 
     @staticmethod
-    def forward(ctx, op: Op, *args):
+    def forward(ctx, op: Op, args: tuple, *tensors):
         ctx.set_materialize_grads(False)  # an output nobody used must not cost a pass over zeros
-        # Fresh tensors for cached `nothing` outputs: autograd attaches this node to every output it returns.
-        outputs = _fresh(op.forward(*args))
-        op._saved(ctx, args, outputs)
+        outputs = op.forward(*args)
+        op._saved(ctx, args, outputs if isinstance(outputs, tuple) else (outputs,))
         ctx.op = op
         return outputs
 
@@ -205,15 +192,14 @@ class _Function(torch.autograd.Function):
     def backward(ctx, *grads):
         op = ctx.op
         results = op.backward(*grads[: ctx.n_grads], *ctx.saved_tensors, *ctx.constants)
-        return (None, *op._input_grads(_Shifted(ctx), results if isinstance(results, tuple) else (results,)))
-
-
-class _Shifted:
-    """ctx seen without the Function's leading `op` argument."""
-
-    def __init__(self, ctx):
-        self.absent = ctx.absent
-        self.needs_input_grad = ctx.needs_input_grad[1:]
+        results = results if isinstance(results, tuple) else (results,)
+        # needs_input_grad covers (op, args, *tensors) and is False for a tensor argument that was None.
+        needs = ctx.needs_input_grad
+        return (
+            None,
+            None,
+            *[None if k is None or not needs[2 + j] else results[k] for j, k in enumerate(op._tensor_grad_index)],
+        )
 
 
 def op(name: str, forward: Callable, forward_fake: Callable, **declaration) -> Op:

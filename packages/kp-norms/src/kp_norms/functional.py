@@ -21,6 +21,12 @@ def _is_size(d) -> bool:
 
 
 def _check_shape_arg(name, input, normalized_shape) -> tuple:
+    # The usual call, one trailing dim as an int or a 1-tuple that matches, costs a few comparisons.
+    c = normalized_shape.__class__
+    if c is int or ((c is tuple or c is torch.Size) and len(normalized_shape) == 1):
+        n = normalized_shape if c is int else normalized_shape[0]
+        if n.__class__ is int and n >= 0 and input.dim() >= 1 and input.shape[-1] == n:
+            return (n,)
     if _is_size(normalized_shape):
         normalized_shape = (normalized_shape,)
     elif isinstance(normalized_shape, (list, tuple)):  # torch.Size is a tuple
@@ -65,6 +71,8 @@ def _check(name, input, normalized_shape, weight, bias, eps, residual=None) -> t
 
 def _rms_variant(name, weight, offset, casting, act) -> tuple[float, bool, int]:
     """(offset, round_n, activation) of an RMSNorm call."""
+    if offset.__class__ is float and offset == 0.0 and casting == "torch" and act is None:  # the usual call
+        return 0.0, False, 0
     if casting not in CASTINGS:
         raise ValueError(f"{name}: casting must be one of {tuple(CASTINGS)}, got {casting!r}")
     if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
@@ -88,7 +96,12 @@ def _rms_eps(eps, dtype) -> float:
 
 
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def _norm(input, residual, n_shape, weight, bias, eps, rms, offset, round_n, act, in_place=False):

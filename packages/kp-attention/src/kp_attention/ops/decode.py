@@ -202,8 +202,9 @@ def forward(
     out = q.new_empty((batch, sq, hq, d))
     lse = q.new_empty((batch, hq, sq), dtype=torch.float32)
     if splits > 1:
-        o_part = q.new_empty((batch * hq * sq, splits, d), dtype=torch.float32)
-        lse_part = q.new_empty((batch * hq * sq, splits), dtype=torch.float32)
+        # The splits' partials live only between the two kernels of this call: reused buffers.
+        o_part = kp_core.workspace(q, (batch * hq * sq, splits, d), torch.float32)
+        lse_part = kp_core.workspace(q, (batch * hq * sq, splits), torch.float32)
     else:
         o_part = lse_part = lse  # never touched
     bt = _unit_last(block_table) if paged else seqlens

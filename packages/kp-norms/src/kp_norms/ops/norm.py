@@ -47,14 +47,6 @@ PROGRAMS_PER_SM = 1  # backward: persistent programs per SM (each keeps two bloc
 SUM_BLOCK_N = 128  # columns per program of the partial-sum kernel
 
 
-def _tiles(kernel: str, n: int, element_size: int) -> kp_core.RowConfig:
-    return _tiles_for(kernel, n, element_size, kp_core.tuning.generation())
-
-
-def _programs_per_sm() -> int:
-    return _programs_per_sm_for(kp_core.tuning.generation())
-
-
 @functools.lru_cache(maxsize=8)
 def _programs_per_sm_for(_generation: int) -> int:
     return kp_core.settings("_norm_bwd", programs_per_sm=PROGRAMS_PER_SM)["programs_per_sm"]
@@ -94,10 +86,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
 
 
-def _empty(x: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((0,))
-
-
 def _tl_acc(dtype: torch.dtype):
     return tl.float32 if dtype in (torch.float16, torch.bfloat16) else tl.float64
 
@@ -117,7 +105,7 @@ def _reference_norm(s, weight, bias, eps, rms, offset, round_n, act):
     z = n if weight is None else n * (weight.to(xf.dtype) + offset)
     z = z if bias is None else z + bias.to(xf.dtype)
     y = activation.reference(z, act).to(out_dtype(s, weight, round_n))
-    return y, (_empty(xf) if mean is None else mean), rstd
+    return y, mean, rstd
 
 
 def _reference_backward(dy, ds, s, weight, bias, eps, rms, offset, round_n, act):
@@ -129,15 +117,79 @@ def _reference_backward(dy, ds, s, weight, bias, eps, rms, offset, round_n, act)
     dx, dw, db = (next(grads) if t is not None else None for t in leaves)
     if ds is not None:
         dx = dx + ds
-    return dx, (_empty(s) if dw is None else dw), (_empty(s) if db is None else db)
+    return dx, dw, db
 
 
 # ---- launchers: inputs are 2-D (rows, N); kp_norms.functional does the reshaping ----
 
+# Per call signature, what a launch needs besides the tensors (kernel, tiles, constexprs), worked out once: an
+# eager call then costs one cached lookup here instead of a dozen small steps.
+
+
+def _generation() -> int:
+    return kp_core.tuning.generation()
+
+
+@functools.lru_cache(maxsize=1024)
+def _forward_plan(dtype, n, rms, has_r, has_w, has_b, offset, round_n, act, stats, generation):
+    """(kernel, rows per program (0: looped), constexprs, num_warps) of the forward."""
+    cfg = _tiles_for("_norm_fwd", n, dtype.itemsize, generation)
+    switches = dict(
+        RMS=rms,
+        HAS_R=has_r,
+        HAS_W=has_w,
+        HAS_B=has_b,
+        OFFSET=offset,
+        ROUND_N=round_n,
+        ACT=act,
+        STATS=stats,
+        ACC=_tl_acc(dtype),
+    )
+    if cfg.looped:
+        return kernels._norm_fwd_looped, 0, kp_core.Constexprs(BLOCK_N=cfg.block_cols, **switches), cfg.num_warps
+    consts = kp_core.Constexprs(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches)
+    return kernels._norm_fwd, cfg.block_rows, consts, cfg.num_warps
+
+
+@functools.lru_cache(maxsize=1024)
+def _backward_plan(dtype, w_dtype, b_dtype, n, rms, has_ds, offset, round_n, act, device, generation):
+    """(config, program slots, partial buffers, main constexprs, sum constexprs, sum grid) of the backward;
+    w_dtype/b_dtype are None without a weight/bias."""
+    has_w, has_b = w_dtype is not None, b_dtype is not None
+    cfg = _tiles_for("_norm_bwd", n, dtype.itemsize, generation)
+    acc = acc_dtype(dtype)
+    # Compensated sums where the result keeps fp32 precision from fp32 accumulation (see norm_kernels).
+    kahan = acc == torch.float32 and torch.float32 in (w_dtype, b_dtype)
+    # dw's and db's partials in one buffer; the looped kernel keeps its compensations beside them.
+    n_parts = max(1, has_w + has_b)
+    buffers = (2 if cfg.looped and kahan else 1) * n_parts
+    per_sm = _programs_per_sm_for(generation)
+    where = torch.device("cuda", device) if device >= 0 else torch.device("cpu")
+    slots = kp_core.persistent_programs(where, 1 << 30, per_sm)  # programs the backward may spread over
+    switches = dict(
+        RMS=rms,
+        HAS_DS=has_ds,
+        HAS_W=has_w,
+        HAS_B=has_b,
+        OFFSET=offset,
+        ROUND_N=round_n,
+        ACT=act,
+        KAHAN=kahan,
+        ACC=_tl_acc(dtype),
+    )
+    consts = (
+        kp_core.Constexprs(BLOCK_N=cfg.block_cols, **switches)
+        if cfg.looped
+        else kp_core.Constexprs(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches)
+    )
+    block_n = min(SUM_BLOCK_N, kp_core.next_power_of_2(n))
+    sum_consts = kp_core.Constexprs(BLOCK_P=32, BLOCK_N=block_n, HAS_W=has_w, HAS_B=has_b, ACC=_tl_acc(dtype))
+    return cfg, slots, n_parts, buffers, kahan, acc, consts, sum_consts, (-(-n // block_n),)
+
 
 def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stats, s_out=None):
-    """(y, s, mean, rstd) for 2-D x; s = x + residual (empty without one), written into s_out when given; mean
-    and rstd are empty unless stats (mean for LayerNorm only)."""
+    """(y, s, mean, rstd) for 2-D x; s = x + residual (None without one), written into s_out when given; mean
+    and rstd are None unless stats (mean for LayerNorm only)."""
     backend = kp_core.choose_backend(op, x)
     has_r = residual is not None
     if backend == kp_core.REFERENCE or x.numel() == 0:
@@ -147,7 +199,7 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
             s_out.copy_(s)
             s = s_out
         y, mean, rstd = _reference_norm(s, weight, bias, eps, rms, offset, round_n, act)
-        return y, (s if has_r else _empty(x)), mean, rstd
+        return y, (s if has_r else None), mean, rstd
     m, n = x.shape
     x = _rows(x)
     y = x.new_empty((m, n), dtype=out_dtype(x, weight, round_n))
@@ -161,7 +213,9 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
         mean = rstd if rms else x.new_empty((m,), dtype=rstd.dtype)
     else:
         mean = rstd = y  # never written
-    cfg = _tiles("_norm_fwd", n, x.element_size())
+    kernel, block_rows, consts, num_warps = _forward_plan(
+        x.dtype, n, rms, has_r, weight is not None, bias is not None, offset, round_n, act, stats, _generation()
+    )
     args = (
         x,
         x.stride(0),
@@ -176,41 +230,14 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
         mean,
         rstd,
     )
-    switches = dict(
-        RMS=rms,
-        HAS_R=has_r,
-        HAS_W=weight is not None,
-        HAS_B=bias is not None,
-        OFFSET=offset,
-        ROUND_N=round_n,
-        ACT=act,
-        STATS=stats,
-        ACC=_tl_acc(x.dtype),
-    )
-    if cfg.looped:  # one program per row
-        kp_core.launch(
-            op,
-            backend,
-            kernels._norm_fwd_looped,
-            (m,),
-            (*args, n, *split_eps(eps)),
-            dict(BLOCK_N=cfg.block_cols, **switches),
-            cfg.num_warps,
-        )
+    if block_rows == 0:  # looped: one program per row
+        kp_core.launch(op, backend, kernel, (m,), (*args, n, *split_eps(eps)), consts, num_warps)
     else:
-        grid = (-(-m // cfg.block_rows),)
-        kp_core.launch(
-            op,
-            backend,
-            kernels._norm_fwd,
-            grid,
-            (*args, m, n, *split_eps(eps)),
-            dict(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches),
-            cfg.num_warps,
-        )
+        grid = (-(-m // block_rows),)
+        kp_core.launch(op, backend, kernel, grid, (*args, m, n, *split_eps(eps)), consts, num_warps)
     if not stats:
-        return y, (s if has_r else kp_core.nothing(x)), kp_core.nothing(x), kp_core.nothing(x)
-    return y, (s if has_r else kp_core.nothing(x)), (kp_core.nothing(x) if rms else mean), rstd
+        return y, (s if has_r else None), None, None
+    return y, (s if has_r else None), (None if rms else mean), rstd
 
 
 def forward(
@@ -225,7 +252,7 @@ def forward(
     act: int,
     stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, s, mean, rstd): s = x + residual (empty without one); mean (LayerNorm) and rstd only with stats."""
+    """(y, s, mean, rstd): s = x + residual (None without one); mean (LayerNorm) and rstd only with stats."""
     return _forward(OP, x, residual, weight, bias, eps, rms, offset, round_n, act, stats)
 
 
@@ -245,7 +272,7 @@ def backward(
     stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db) for 2-D x (the normalised input: s when there was a residual); ds, the gradient that reached
-    s directly, is added to dx. dw/db are empty when there is no weight/bias."""
+    s directly, is added to dx. dw/db are None when there is no weight/bias."""
     if ds is not None and ds.numel() == 0:  # no residual: the empty s output's (materialised) gradient
         ds = None
     if dy is None:  # only s was used
@@ -257,18 +284,25 @@ def backward(
     m, n = x.shape
     x, dy = _rows(x), _rows(dy)
     ds = None if ds is None else _rows(ds)
-    dx = x.new_empty((m, n))
-    cfg = _tiles("_norm_bwd", n, x.element_size())
-    programs = kp_core.persistent_programs(x.device, -(-m // cfg.block_rows), _programs_per_sm())
-    rows_per_program = -(-m // programs)
-    programs = -(-m // rows_per_program)
     has_w, has_b = weight is not None, bias is not None
-    acc = acc_dtype(x.dtype)
-    # Compensated sums where the result keeps fp32 precision from fp32 accumulation (see norm_kernels).
-    kahan = acc == torch.float32 and any(t is not None and t.dtype == torch.float32 for t in (weight, bias))
-    # dw's and db's partials in one buffer; the looped kernel keeps its compensations beside them.
-    n_parts = max(1, has_w + has_b)
-    parts = x.new_empty(((2 if cfg.looped and kahan else 1) * n_parts, programs, n), dtype=acc)
+    cfg, slots, n_parts, buffers, kahan, acc, consts, sum_consts, sum_grid = _backward_plan(
+        x.dtype,
+        weight.dtype if has_w else None,
+        bias.dtype if has_b else None,
+        n,
+        rms,
+        ds is not None,
+        offset,
+        round_n,
+        act,
+        x.get_device(),
+        _generation(),
+    )
+    rows_per_program = -(-m // max(1, min(slots, -(-m // cfg.block_rows))))
+    programs = -(-m // rows_per_program)
+    dx = x.new_empty((m, n))
+    parts = kp_core.workspace(x, (programs, n), acc, count=buffers)
+    parts = parts if buffers > 1 else (parts,)
     dw_part, db_part = parts[0], parts[n_parts - 1]
     args = (
         dy,
@@ -286,51 +320,17 @@ def backward(
         dw_part,
         db_part,
     )
-    switches = dict(
-        RMS=rms,
-        HAS_DS=ds is not None,
-        HAS_W=has_w,
-        HAS_B=has_b,
-        OFFSET=offset,
-        ROUND_N=round_n,
-        ACT=act,
-        KAHAN=kahan,
-        ACC=_tl_acc(x.dtype),
-    )
     if cfg.looped:
         comps = (parts[n_parts], parts[-1]) if kahan else (dw_part, db_part)  # dw's, db's (unused without KAHAN)
-        kp_core.launch(
-            OP_BWD,
-            backend,
-            kernels._norm_bwd_looped,
-            (programs,),
-            (*args, *comps, m, n, rows_per_program),
-            dict(BLOCK_N=cfg.block_cols, **switches),
-            cfg.num_warps,
-        )
+        kernel, args = kernels._norm_bwd_looped, (*args, *comps, m, n, rows_per_program)
     else:
-        kp_core.launch(
-            OP_BWD,
-            backend,
-            kernels._norm_bwd,
-            (programs,),
-            (*args, m, n, rows_per_program),
-            dict(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches),
-            cfg.num_warps,
-        )
-    dw = weight.new_empty(weight.shape) if has_w else _empty(x)
-    db = bias.new_empty(bias.shape) if has_b else _empty(x)
+        kernel, args = kernels._norm_bwd, (*args, m, n, rows_per_program)
+    kp_core.launch(OP_BWD, backend, kernel, (programs,), args, consts, cfg.num_warps)
+    dw = weight.new_empty(weight.shape) if has_w else None
+    db = bias.new_empty(bias.shape) if has_b else None
     if has_w or has_b:
-        block_n = min(SUM_BLOCK_N, kp_core.next_power_of_2(n))
-        kp_core.launch(
-            OP_BWD,
-            backend,
-            kernels._norm_bwd_sum,
-            (-(-n // block_n),),
-            (dw_part, db_part, dw if has_w else dx, db if has_b else dx, programs, n),
-            dict(BLOCK_P=32, BLOCK_N=block_n, HAS_W=has_w, HAS_B=has_b, ACC=_tl_acc(x.dtype)),
-            4,
-        )
+        sum_args = (dw_part, db_part, dw if has_w else dx, db if has_b else dx, programs, n)
+        kp_core.launch(OP_BWD, backend, kernels._norm_bwd_sum, sum_grid, sum_args, sum_consts, 4)
     return dx, dw, db
 
 
@@ -354,15 +354,15 @@ def add_norm_(
 
 def _forward_fake(x, residual, weight, bias, eps, rms, offset, round_n, act, stats):
     m = x.shape[0]
-    s = x.new_empty(x.shape) if residual is not None else _empty(x)
-    rstd = x.new_empty((m,), dtype=acc_dtype(x.dtype)) if stats else _empty(x)
-    mean = x.new_empty((m,), dtype=acc_dtype(x.dtype)) if stats and not rms else _empty(x)
+    s = x.new_empty(x.shape) if residual is not None else None
+    rstd = x.new_empty((m,), dtype=acc_dtype(x.dtype)) if stats else None
+    mean = x.new_empty((m,), dtype=acc_dtype(x.dtype)) if stats and not rms else None
     return x.new_empty(x.shape, dtype=out_dtype(x, weight, round_n)), s, mean, rstd
 
 
 def _backward_fake(dy, ds, x, weight, bias, mean, rstd, eps, rms, offset, round_n, act, stats):
-    dw = _empty(x) if weight is None else torch.empty_like(weight)
-    db = _empty(x) if bias is None else torch.empty_like(bias)
+    dw = None if weight is None else torch.empty_like(weight)
+    db = None if bias is None else torch.empty_like(bias)
     return x.new_empty(x.shape), dw, db
 
 
