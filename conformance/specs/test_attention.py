@@ -167,6 +167,7 @@ SWITCHES = [
     ("window both sides", (1, 66, 130, 2, 2, 48), {"window": (20, 5)}, None),
     ("softcap", (1, 45, 77, 2, 1, 80), {"softcap": 7.0, "causal": True}, None),
     ("top-left causal (SDPA is_causal)", (1, 40, 70, 2, 2, 32), {}, {"is_causal": True}),
+    # fp32 runs a boolean mask as the additive mask it equals (MASK_KIND 2; attention._mask_args says why)
     ("boolean mask (MASK_KIND 1)", (2, 33, 47, 2, 2, 32), {}, {"attn_mask": "bool"}),
     ("additive mask (MASK_KIND 2)", (1, 33, 47, 2, 1, 32), {}, {"attn_mask": "float"}),
 ]

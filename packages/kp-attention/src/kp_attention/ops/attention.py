@@ -4,8 +4,8 @@ kp::flash_attention takes dense (B, S, H, D) tensors with any strides, (B, H, S,
 optional mask; kp::flash_attention_varlen takes packed (total, H, D) tensors with cu_seqlens. One launcher pair
 serves both; the maths and the kernels are in kp_attention.ops.attention_kernels.
 
-fp16/bf16 use tensor-core dots with fp32 accumulation; fp32 inputs use `input_precision="ieee"` dots (exact fp32
-products, no TF32), a correctness path rather than a fast one.
+fp16/bf16 use tensor-core dots with fp32 accumulation; fp32 inputs use exact products (no TF32) summed in fp64
+per block (attention_kernels._dot; fp32 FMA chains on Triton < 3.5), a correctness path rather than a fast one.
 """
 
 import dataclasses
@@ -53,6 +53,14 @@ _HALF = {
     256: {"_attn_fwd": (128, 32, 8, 2), "_attn_bwd_dkdv": (32, 32, 8, 2), "_attn_bwd_dq": (64, 32, 8, 2)},
 }
 
+# fp32 (dots summed in fp64, attention_kernels._dot): a correctness path, so small tiles that ptxas (sm_90a, Triton
+# 3.6) compiles in about 2 s per kernel with no or few spills; larger ones compile slower and spill.
+_FP32 = {
+    64: {"_attn_fwd": (32, 32, 4, 2), "_attn_bwd_dkdv": (16, 32, 4, 1), "_attn_bwd_dq": (32, 32, 4, 1)},
+    128: {"_attn_fwd": (32, 16, 4, 2), "_attn_bwd_dkdv": (16, 16, 4, 1), "_attn_bwd_dq": (32, 16, 4, 1)},
+    256: {"_attn_fwd": (16, 16, 4, 2), "_attn_bwd_dkdv": (16, 16, 4, 1), "_attn_bwd_dq": (16, 32, 4, 1)},
+}
+
 
 def _tiles(kernel: str, block_d: int, element_size: int, device: torch.device) -> dict:
     return _tiles_for(kernel, block_d, element_size, device.type, kp_core.tuning.generation())
@@ -66,13 +74,8 @@ def _tiles_for(kernel: str, block_d: int, element_size: int, device_type: str, _
         tile = (32, 32, 4, 1)
     elif kernel == "_attn_bwd_preprocess":
         tile = (64, 1, 4, 1)
-    elif element_size == 4:  # fp32: twice the bytes per tile, no fp32 tensor cores
-        small = block_d > 128
-        tile = {
-            "_attn_fwd": (32 if small else 64, 32, 4, 2),
-            "_attn_bwd_dkdv": (16, 32 if small else 64, 4, 1),
-            "_attn_bwd_dq": (32 if small else 64, 16 if small else 32, 4, 1),
-        }[kernel]
+    elif element_size == 4:
+        tile = _FP32[64 if block_d <= 64 else 128 if block_d <= 128 else 256][kernel]
     else:
         tile = _HALF[64 if block_d <= 64 else 128 if block_d <= 128 else 256][kernel]
     return kp_core.settings(kernel, **dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tile)))
@@ -87,10 +90,15 @@ def _bshd(t: torch.Tensor, varlen: bool) -> tuple:
     return (0, *t.stride()) if varlen else tuple(t.stride())
 
 
-def _mask_args(mask: Optional[torch.Tensor], b: int, h: int, sq: int, sk: int):
-    """(tensor, 4 broadcast strides, kind): kind 0 none, 1 boolean (read as uint8), 2 additive float."""
+def _mask_args(mask: Optional[torch.Tensor], b: int, h: int, sq: int, sk: int, dtype: torch.dtype):
+    """(tensor, 4 broadcast strides, kind): kind 0 none, 1 boolean (read as uint8), 2 additive float.
+
+    fp32 inputs take a boolean mask as the additive one it equals (0 / -inf; s + 0 is s exactly): Triton 3.6 fails
+    to lower a uint8 tile into the fp64 dot layout of the fp32 path (attention_kernels._dot)."""
     if mask is None:
         return None, (0, 0, 0, 0), 0
+    if mask.dtype == torch.bool and dtype == torch.float32:
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
     m = mask.expand(b, h, sq, sk)
     kind = 1 if m.dtype == torch.bool else 2
     if kind == 1:
@@ -245,7 +253,7 @@ def _forward(op, q, k, v, mask, cu_q, cu_k, p: Params):
         return out.contiguous(), lse.contiguous()
     out = q.new_empty(q.shape)
     lse = _lse_empty(q, b, hq, sq, varlen)
-    m, m_strides, mask_kind = _mask_args(mask, b, hq, sq, sk)
+    m, m_strides, mask_kind = _mask_args(mask, b, hq, sq, sk, q.dtype)
     tiles = _tiles("_attn_fwd", _block_d(d), q.element_size(), q.device)
     args = (
         q,
@@ -298,11 +306,12 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
         dlse = dlse.to(torch.float32).contiguous()
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     lse = lse.contiguous()
-    delta = torch.empty_like(lse)
+    ieee = q.dtype == torch.float32
+    # the fp32 path's delta is subtracted from fp64 dP (attention_kernels._dq_block): kept in fp64
+    delta = torch.empty_like(lse, dtype=torch.float64 if ieee else torch.float32)
     lse_strides = _lse_strides(lse, varlen)
     cu_qa, cu_ka = (cu_q, cu_k) if varlen else (lse, lse)
     block_d = _block_d(d)
-    ieee = q.dtype == torch.float32
     pre = _tiles("_attn_bwd_preprocess", block_d, q.element_size(), q.device)
     kp_core.launch(
         op,
@@ -330,7 +339,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
         ),
         pre["num_warps"],
     )
-    m, m_strides, mask_kind = _mask_args(mask, b, hq, sq, sk)
+    m, m_strides, mask_kind = _mask_args(mask, b, hq, sq, sk, q.dtype)
     m = lse if m is None else m
     scalars = (sq, sk, hq // hkv, p.scale, *_score_args(p, q.dtype), p.window_left, p.window_right)
     strides_qkv = (*_bshd(q, varlen), *_bshd(k, varlen), *_bshd(v, varlen), *_bshd(dout, varlen))

@@ -1,7 +1,7 @@
 """Triton kernels of FlashAttention-2 (forward, and a deterministic backward without atomics).
 
 Per query row i of one (batch, q head) and key j of its kv head (GQA: kv head = q head // group):
-    s_ij  = scale * q_i . k_j                       (fp32 accumulate)
+    s_ij  = scale * q_i . k_j                       (fp32 accumulate; fp64 for fp32 inputs, see _dot)
     s_ij  = softcap * tanh(s_ij / softcap)          (when softcap > 0, Gemma-2)
     s_ij += mask_ij  (float mask)  or  -inf where the boolean mask is False
     s_ij  = -inf unless  diag - left <= j - i <= diag + right  and  j < Sk   (left/right < 0: unbounded)
@@ -10,7 +10,7 @@ diag = Sk - Sq (bottom-right causal alignment, FlashAttention >= 2.1) or 0 (top-
 Rows with every key masked give o = 0 and lse = -inf, and zero gradients.
 
 Scores are kept in base 2 (log2(e) folded into the scale) so the softmax uses exp2; fp32 inputs keep natural
-units (see _exp). Accumulators are fp32.
+units (see _exp). Accumulators are fp32; the fp32 path sums each block's dot in fp64 (_dot, Triton >= 3.5).
 Backward (FlashAttention-2 / Triton tutorial split, deterministic: every output is written by one program):
     delta_i = sum_d dO_id O_id - dlse_i                       (_attn_bwd_preprocess)
     dS_ij   = P_ij (dO_i . v_j - delta_i) * tanh'             (recomputed from lse)
@@ -34,14 +34,42 @@ import triton.language as tl
 
 from kp_core.kernel_constants import LN2, LOG2E
 
+# Triton >= 3.5 takes fp64 tl.dot operands (DMMA on sm80/sm90, FMA elsewhere); older Triton rejects them.
+F64_DOT = tl.constexpr(tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 5))
+
+
+@triton.jit
+def _dot64(a, b):
+    """a @ b of fp32 tiles in fp64: exact products, sums good to fp64 ulps."""
+    return tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee")
+
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
-    """acc + a @ b in fp32; fp32 inputs use exact fp32 products (no TF32)."""
+    """acc + a @ b in fp32. fp32 inputs (no TF32): the block's product is summed in fp64 and rounded once, since
+    the GPU's IEEE fp32 dot is a chain of D fp32 FMAs that drifts by several ulps (beyond the 2x rule against
+    torch's matmuls); a Triton without fp64 dots keeps that chain."""
     if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
+        if F64_DOT:
+            return acc + _dot64(a, b).to(tl.float32)
+        else:
+            return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """a @ b left unrounded on the fp32 path (fp64, where Triton has fp64 dots), so what follows rounds once: the
+    scale or softcap of the scores, the cancelling dP - delta of the backward. fp32 otherwise."""
+    zero = tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32)
+    if IEEE:
+        if F64_DOT:
+            return _dot64(a, b)
+        else:
+            return _dot(a, b, zero, IEEE)
+    else:
+        return _dot(a, b, zero, IEEE)
 
 
 @triton.jit
@@ -100,7 +128,8 @@ def _seq_bounds(CU, b, seqlen, VARLEN: tl.constexpr):
 
 @triton.jit
 def _scores(s, qk_scale, sc_in, sc_out, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    """Logits in the scores' units from raw q.k, and tanh(scale * q.k / softcap) (for the backward) when softcapped.
+    """Logits in the scores' units from raw q.k (fp64 from _mm on the fp32 path), and tanh(scale * q.k / softcap)
+    (for the backward) when softcapped; both fp32.
 
     tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|): no libdevice, no overflow; sc_in = 2 log2(e) scale / c.
     1 - e cancels for small |y|, costing fp32 ~eps/|y| relative: the fp32 (IEEE) path takes it in fp64."""
@@ -114,7 +143,7 @@ def _scores(s, qk_scale, sc_in, sc_out, SOFTCAP: tl.constexpr, IEEE: tl.constexp
         th = tl.where(s < 0, -th, th)
         return th * sc_out, th  # sc_out = softcap (times log2(e) outside the IEEE path)
     else:
-        return s * qk_scale, s
+        return (s * qk_scale).to(tl.float32), s
 
 
 @triton.jit
@@ -253,7 +282,7 @@ def _fwd_block(
     d_ok = offs_d < HEAD_DIM
     kv_ok = cols < seqlen_k
     kT = _load2d(K_base + cols[None, :] * sks + offs_d[:, None] * skd, d_ok, kv_ok, PAD_D, MASKED)
-    s = _dot(q, kT, tl.zeros([q.shape[0], kT.shape[1]], dtype=tl.float32), IEEE)
+    s = _mm(q, kT, IEEE)
     s2, _ = _scores(s, qk_scale, sc_in, sc_out, SOFTCAP, IEEE)
     s2 = _apply_mask(s2, M_base, offs_m[:, None], cols[None, :], smq, smk, seqlen_q, seqlen_k, MASK_KIND, IEEE)
     if MASKED:
@@ -694,7 +723,7 @@ def _attn_bwd_preprocess(
     ROWSUM: tl.constexpr,
 ):
     """delta = rowsum(dO * O) - dlse, in lse's layout. Grid (query blocks, q heads, batch). Without ROWSUM (the
-    fp32 path) only -dlse: _attn_bwd_dq adds sum_j P_ij dP_ij itself."""
+    fp32 path, DELTA fp64) only -dlse: _attn_bwd_dq adds sum_j P_ij dP_ij itself."""
     pid_m = tl.program_id(0)
     h64 = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2)
@@ -768,7 +797,7 @@ def _dkdv_block(
     lse2 = _units(_load1d(L_base + rows, q_ok, MASKED), IEEE)
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # fully masked row: all its p are 0 below
     if IEEE:  # the fp32 path forms scores as the forward does (q @ k^T), so P = exp(s - lse) rounds as there
-        sT = tl.trans(_dot(tl.trans(qT), tl.trans(k), tl.zeros([qT.shape[1], k.shape[0]], dtype=tl.float32), IEEE))
+        sT = tl.trans(_mm(tl.trans(qT), tl.trans(k), IEEE))
     else:
         sT = _dot(k, qT, tl.zeros([k.shape[0], qT.shape[1]], dtype=tl.float32), IEEE)
     s2T, thT = _scores(sT, qk_scale, sc_in, sc_out, SOFTCAP, IEEE)
@@ -783,10 +812,10 @@ def _dkdv_block(
     dv = _dot(pT.to(do.dtype), do, dv, IEEE)
     delta = _load1d(D_base + rows, q_ok, MASKED)
     if IEEE:  # dP formed as _attn_bwd_dq forms it, so delta (its row sums there) cancels it to the same rounding
-        dpT = tl.trans(_dot(do, tl.trans(v), tl.zeros([qT.shape[1], k.shape[0]], dtype=tl.float32), IEEE))
+        dpT = tl.trans(_mm(do, tl.trans(v), IEEE))
     else:
         dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], qT.shape[1]], dtype=tl.float32), IEEE)
-    dsT = pT * (dpT - delta[None, :])
+    dsT = (pT * (dpT - delta[None, :])).to(tl.float32)  # fp64 dP and delta on the fp32 path
     if SOFTCAP:
         dsT = dsT * (1.0 - thT * thT)
     dk = _dot(dsT.to(qT.dtype), tl.trans(qT), dk, IEEE)
@@ -1031,6 +1060,7 @@ def _attn_bwd_dkdv(
 def _dq_block(
     dq,
     dsum,
+    psum,
     q,
     do,
     lse2,
@@ -1066,15 +1096,16 @@ def _dq_block(
     IEEE: tl.constexpr,
     PASS: tl.constexpr,
 ):
-    """dQ of one query block from one key block. PASS 1 (fp32 path): only dsum += sum_j P_ij dP_ij, the delta
-    PyTorch's softmax backward uses; a row with one visible key then gets dS = 0 exactly, as in PyTorch, where
-    rowsum(dO * O), the same number rounded otherwise, leaves a residue of fp32 ulps."""
+    """dQ of one query block from one key block. PASS 1 (fp32 path): only dsum += sum_j P_ij dP_ij and
+    psum += sum_j P_ij (fp64), for PyTorch's delta sum_j P_ij dP_ij, here over sum_j P_ij: P = exp(s - lse) sums
+    to 1 only within ulps of the fp32 lse, and dP - delta cancels, amplifying any such residue. A row with one
+    visible key gets P = 1 and dS = 0 exactly, as in PyTorch."""
     cols = start_n + offs_n
     d_ok = offs_d < HEAD_DIM
     kv_ok = cols < seqlen_k
     kT = _load2d(K_base + cols[None, :] * sks + offs_d[:, None] * skd, d_ok, kv_ok, PAD_D, MASKED)
     vT = _load2d(V_base + cols[None, :] * svs + offs_d[:, None] * svd, d_ok, kv_ok, PAD_D, MASKED)
-    s = _dot(q, kT, tl.zeros([q.shape[0], kT.shape[1]], dtype=tl.float32), IEEE)
+    s = _mm(q, kT, IEEE)
     s2, th = _scores(s, qk_scale, sc_in, sc_out, SOFTCAP, IEEE)
     s2 = _apply_mask(s2, M_base, offs_m[:, None], cols[None, :], smq, smk, seqlen_q, seqlen_k, MASK_KIND, IEEE)
     if MASKED:
@@ -1083,21 +1114,23 @@ def _dq_block(
         )
         s2 = tl.where(ok, s2, float("-inf"))
     p = _exp(s2 - lse2[:, None], IEEE)
-    dp = _dot(do, vT, tl.zeros([q.shape[0], kT.shape[1]], dtype=tl.float32), IEEE)
+    dp = _mm(do, vT, IEEE)
     if PASS == 1:
         dsum = dsum + tl.sum(p * dp, 1)
+        psum = psum + tl.sum(p.to(tl.float64), 1)
     else:
-        ds = p * (dp - delta[:, None])
+        ds = (p * (dp - delta[:, None])).to(tl.float32)  # fp64 dP and delta on the fp32 path
         if SOFTCAP:
             ds = ds * (1.0 - th * th)
         dq = _dot(ds.to(kT.dtype), tl.trans(kT), dq, IEEE)
-    return dq, dsum
+    return dq, dsum, psum
 
 
 @triton.jit
 def _dq_loops(
     dq,
     dsum,
+    psum,
     q,
     do,
     lse2,
@@ -1138,9 +1171,10 @@ def _dq_loops(
 ):
     """Every key block of one query block: interior blocks (no mask work), then the boundary blocks."""
     for start_n in range(mid_lo, mid_hi, BLOCK_N):
-        dq, dsum = _dq_block(
+        dq, dsum, psum = _dq_block(
             dq,
             dsum,
+            psum,
             q,
             do,
             lse2,
@@ -1177,9 +1211,10 @@ def _dq_loops(
             PASS,
         )
     for start_n in range(lo, mid_lo, BLOCK_N):
-        dq, dsum = _dq_block(
+        dq, dsum, psum = _dq_block(
             dq,
             dsum,
+            psum,
             q,
             do,
             lse2,
@@ -1216,9 +1251,10 @@ def _dq_loops(
             PASS,
         )
     for start_n in range(mid_hi, hi, BLOCK_N):
-        dq, dsum = _dq_block(
+        dq, dsum, psum = _dq_block(
             dq,
             dsum,
+            psum,
             q,
             do,
             lse2,
@@ -1254,7 +1290,7 @@ def _dq_loops(
             IEEE,
             PASS,
         )
-    return dq, dsum
+    return dq, dsum, psum
 
 
 @triton.jit
@@ -1347,14 +1383,21 @@ def _attn_bwd_dq(
     V_base = V + b64 * svb + k_start * svs + kvh64 * svh
     M_base = MASK + b64 * smb + h64 * smh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if IEEE:
+        dsum = tl.zeros([BLOCK_M], dtype=tl.float64)
+    else:
+        dsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    psum = dsum
     lo, mid_lo, mid_hi, hi = _kv_range(
         m0, seqlen_q, seqlen_k, diag, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
     )
-    if IEEE:  # delta = sum_j P_ij dP_ij (minus dlse, already in DELTA), for this kernel and _attn_bwd_dkdv
-        dq, dsum = _dq_loops(
+    # fp32 path: delta = sum_j P_ij dP_ij / sum_j P_ij (minus dlse, already in DELTA, fp64 there), for this kernel
+    # and _attn_bwd_dkdv
+    if IEEE:
+        dq, dsum, psum = _dq_loops(
             dq,
             dsum,
+            psum,
             q,
             do,
             lse2,
@@ -1393,11 +1436,12 @@ def _attn_bwd_dq(
             IEEE,
             1,
         )
-        delta = delta + dsum
+        delta = delta + tl.where(psum > 0, dsum / tl.where(psum > 0, psum, 1.0), 0.0)
         tl.store(DELTA + row, delta, mask=row_ok)
-    dq, dsum = _dq_loops(
+    dq, dsum, psum = _dq_loops(
         dq,
         dsum,
+        psum,
         q,
         do,
         lse2,
