@@ -19,7 +19,9 @@ Part 3, where kp's microseconds go: the pieces a call is made of, each timed alo
 """
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 from typing import Optional
 
@@ -302,11 +304,39 @@ def pieces(iters: int) -> dict[str, float]:
         "kp: rms_norm fwd, no grad": lambda: kp_norms.rms_norm(xd, (N,), wd, 1e-6),
         "kp: rms_norm fwd+bwd": fwd_bwd(lambda: kp_norms.rms_norm(x, (N,), w, 1e-6)),
     }
+    parts["torch: F.rms_norm fwd+bwd"] = fwd_bwd(lambda: F.rms_norm(x, (N,), w, 1e-6))
     out = {}
-    for name, fn in parts.items():
-        out[name] = statistics.median(harness.wall_us_per_call(fn, iters) for _ in range(3))
-        print(f"{name:60s} {out[name]:7.1f} us", flush=True)
+    # CUDA backward runs on autograd's device thread: Python work there (kp's backward) pays for the hand-off
+    # between cores; the same calls without that thread, and with every thread on one core, show how much.
+    for where, context in (
+        ("", contextlib.nullcontext),
+        (", autograd device thread off", lambda: torch.autograd.set_multithreading_enabled(False)),
+        (", every thread on one core", _one_core),
+    ):
+        for name, fn in parts.items():
+            if where and "fwd+bwd" not in name:
+                continue
+            with context():
+                out[name + where] = statistics.median(harness.wall_us_per_call(fn, iters) for _ in range(3))
+            print(f"{name + where:80s} {out[name + where]:7.1f} us", flush=True)
     return out
+
+
+@contextlib.contextmanager
+def _one_core():
+    """Every thread of this process (autograd's device thread included) on the main thread's first core."""
+    threads = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+    core = min(os.sched_getaffinity(0))
+    for t in threads:
+        os.sched_setaffinity(t, {core})
+    try:
+        yield
+    finally:
+        for t, cpus in threads.items():
+            try:
+                os.sched_setaffinity(t, cpus)
+            except OSError:  # the thread has ended
+                pass
 
 
 def profile(iters: int, top: int = 30) -> None:
