@@ -127,7 +127,9 @@ class Op:
             for a in tensors:
                 if a is not None and a.requires_grad:
                     # Only the tensors go to apply (autograd's inputs); every argument it is given costs time.
-                    return _Function.apply(self, args, *tensors)
+                    if torch._C._are_functorch_transforms_active():
+                        return _Function.apply(self, args, *tensors)
+                    return _APPLY(self, args, *tensors)
         out = self.forward(*args)
         for i in self._mutated:  # what the dispatcher does for a mutating op: autograd sees the write
             if args[i] is not None:
@@ -200,6 +202,11 @@ class _Function(torch.autograd.Function):
             None,
             *[None if k is None or not needs[2 + j] else results[k] for j, k in enumerate(op._tensor_grad_index)],
         )
+
+
+# autograd.Function.apply without its Python wrapper, which only adds functorch's handling (taken above when a
+# functorch transform is active) and default-argument binding (for setup_context, which _Function does not use).
+_APPLY = super(torch.autograd.Function, _Function).apply
 
 
 def op(name: str, forward: Callable, forward_fake: Callable, **declaration) -> Op:
