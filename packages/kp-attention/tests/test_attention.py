@@ -124,38 +124,79 @@ def test_strided_inputs_are_read_in_place():
     assert torch.equal(base, before)
 
 
-@pytest.mark.parametrize("kind", ["none", "causal", "bool", "float", "gqa", "3d"])
-def test_sdpa_matches_torch(kind):
-    """torch's layout and semantics, judged against torch's SDPA in float64 and in fp32."""
-    b, h, lq, s, e = 2, 4, 45, 70, 24
-    q = randn(b, h, lq, e, seed=1)
-    k, v = (randn(b, h // 2 if kind == "gqa" else h, s, e, seed=2 + i) for i in range(2))
-    dout = randn(b, h, lq, e, seed=4)
-    kw = {}
-    if kind == "causal":
-        kw["is_causal"] = True  # top-left: ones(L, S).tril()
-    elif kind == "bool":
-        mask = randn(b, 1, lq, s, seed=5) > -0.5  # broadcast over heads
+# SDPA's input forms: (query, key, value) shapes, the head dim of value, keyword arguments. Leading dimensions
+# broadcast as in torch (dim -3 is the heads dimension).
+SDPA_FORMS = {
+    "none": ((2, 4, 45, 24), (2, 4, 70, 24), 24, {}),
+    "causal": ((2, 4, 45, 24), (2, 4, 70, 24), 24, {"is_causal": True}),  # top-left: ones(L, S).tril()
+    "bool": ((2, 4, 45, 24), (2, 4, 70, 24), 24, {"attn_mask": "bool"}),
+    "float": ((2, 4, 45, 24), (2, 4, 70, 24), 24, {"attn_mask": "float"}),
+    "gqa": ((2, 4, 45, 24), (2, 2, 70, 24), 24, {"enable_gqa": True}),
+    "3d": ((3, 45, 24), (3, 70, 24), 24, {}),  # (N, L, E), L != S
+    "3d gqa causal": ((4, 45, 20), (2, 70, 20), 20, {"enable_gqa": True, "is_causal": True}),
+    "2d": ((45, 24), (70, 24), 24, {"attn_mask": "bool"}),
+    "5d": ((2, 3, 4, 45, 24), (3, 4, 70, 24), 24, {"attn_mask": "float"}),  # key/value broadcast over dim 0
+    "3d query, 4d key": ((4, 45, 24), (2, 4, 70, 24), 24, {}),
+    "query broadcast": ((1, 4, 45, 24), (2, 4, 70, 24), 24, {"is_causal": True}),
+    "one kv head, no gqa": ((2, 4, 45, 24), (2, 1, 70, 24), 24, {}),
+    "value head dim larger": ((2, 4, 45, 24), (2, 4, 70, 24), 40, {}),
+    "value head dim smaller": ((2, 2, 45, 24), (2, 2, 70, 24), 16, {"is_causal": True}),
+}
+
+
+def _sdpa_4d(q, k, v, mask, gqa):
+    """The same call as 4-D (B, H, L, E) tensors, torch's broadcasting written out, and the output shape: the
+    baseline's inputs, so its low-precision error is that of torch's own 4-D kernels."""
+    nd = max(3, q.dim(), k.dim(), v.dim())
+    q, k, v = (t.reshape((1,) * (nd - t.dim()) + tuple(t.shape)) for t in (q, k, v))
+    if gqa:
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], -3) for t in (k, v))
+    full = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q, k, v = (t.expand(*full, *t.shape[-2:]).reshape(-1, full[-1], *t.shape[-2:]) for t in (q, k, v))
+    if mask is not None:
+        mask = mask.expand(*full, q.shape[-2], k.shape[-2]).reshape(-1, full[-1], q.shape[-2], k.shape[-2])
+    return q, k, v, mask, (*full, q.shape[-2], v.shape[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("kind", list(SDPA_FORMS))
+def test_sdpa_matches_torch(kind, dtype):
+    """Every input form torch's SDPA takes gives torch's shape, and values and gradients by the rule against torch
+    in float64; the baseline error is torch's SDPA in the input dtype on the same call written as 4-D tensors."""
+    skip_if_not_covered(dtype, uses_dot=True)
+    q_shape, k_shape, ev, kw = SDPA_FORMS[kind]
+    q, k = randn(*q_shape, dtype=dtype, seed=1), randn(*k_shape, dtype=dtype, seed=2)
+    v = randn(*k_shape[:-1], ev, dtype=dtype, seed=3)
+    out_shape = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), **{key: val for key, val in kw.items() if key != "attn_mask"}
+    ).shape
+    dout = randn(*out_shape, dtype=dtype, seed=4)
+    lq, s = q_shape[-2], k_shape[-2]
+    kw = dict(kw)
+    if kw.get("attn_mask") == "bool":
+        mask = randn(lq, s, seed=5) > -0.5
         mask[..., 0] = True  # torch gives NaN for empty rows; kp gives 0
         kw["attn_mask"] = mask
-    elif kind == "float":
-        kw["attn_mask"] = randn(lq, s, seed=6)
-    elif kind == "gqa":
-        kw["enable_gqa"] = True
-    elif kind == "3d":  # (N, L, E) with L != S
-        q, k, v, dout = q[:, 0], k[:, 0], v[:, 0], dout[:, 0]
-    kw64 = {key: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for key, t in kw.items()}
+    elif kw.get("attn_mask") == "float":
+        kw["attn_mask"] = randn(q_shape[-3], lq, s, dtype=dtype, seed=6)  # broadcast over the batch dims
 
     def grads(fn, inputs):
         return run(lambda q, k, v: (fn(q, k, v), q[..., 0]), inputs, dout)
 
+    def low_fn(q, k, v):
+        q4, k4, v4, mask4, shape = _sdpa_4d(q, k, v, kw.get("attn_mask"), kw.get("enable_gqa", False))
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask4, is_causal=kw.get("is_causal", False))
+        return out.reshape(shape).reshape(out_shape)
+
     with kp_core.record_launches() as rec:
         got = grads(lambda *t: kp_attention.scaled_dot_product_attention(*t, **kw), (q, k, v))
     assert rec.backends() == {KERNEL}
+    kw64 = {key: (t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t) for key, t in kw.items()}
     want = grads(lambda *t: F.scaled_dot_product_attention(*t, **kw64), [t.double() for t in (q, k, v)])
-    low = grads(lambda *t: F.scaled_dot_product_attention(*t, **kw), (q, k, v))
+    low = grads(low_fn, (q, k, v))
+    assert got[0].shape == out_shape
     for i, name in zip((0, 2, 3, 4), ("out", "dq", "dk", "dv")):
-        check_close(f"sdpa {kind} {name}", got[i], want[i], low[i], torch.float32)
+        check_close(f"sdpa {kind} {name}", got[i], want[i], low[i], dtype)
 
 
 def test_sdpa_fully_masked_row_is_zero():
@@ -295,7 +336,18 @@ def test_errors_name_the_argument():
         (ValueError, "max_seqlen_k", lambda: varlen(q[0], k[0], v[0], cu, cu, 4, 3)),
         (ValueError, "max_seqlen_q", lambda: varlen(q[0], k[0], v[0], cu, cu, -1, 4)),
         (NotImplementedError, "dropout", lambda: sdpa(q, k, v, dropout_p=0.1)),
-        (ValueError, "enable_gqa", lambda: sdpa(q, k[:, :1], v[:, :1])),
+        (ValueError, "enable_gqa", lambda: sdpa(q, k[:, :3], v[:, :3])),  # 4 heads against 3
+        (ValueError, "multiple", lambda: sdpa(q, k[:, :3], v[:, :3], enable_gqa=True)),
+        (ValueError, "at least 2 dimensions", lambda: sdpa(q[0, 0, 0], k, v)),
+        (
+            ValueError,
+            "batch dimensions",
+            lambda: sdpa(q.expand(2, 4, 2, 16), k.expand(3, 4, 2, 16), v.expand(3, 4, 2, 16)),
+        ),
+        (ValueError, "sequence lengths", lambda: sdpa(q, k, v[:, :, :1])),
+        (ValueError, "head dims", lambda: sdpa(q, k[..., :8], v)),
+        (ValueError, "value", lambda: sdpa(q, k, torch.zeros(1, 4, 2, 257, device=DEVICE))),
+        (TypeError, "value", lambda: sdpa(q, k, v.double())),
         (ValueError, "attn_mask", lambda: sdpa(q, k, v, attn_mask=torch.ones(3, 4, dtype=torch.bool, device=DEVICE))),
         (ValueError, "attn_mask", lambda: sdpa(q, k, v, attn_mask=torch.zeros(4, 4, device=DEVICE).requires_grad_())),
         (

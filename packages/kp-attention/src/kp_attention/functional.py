@@ -167,25 +167,35 @@ def scaled_dot_product_attention(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Drop-in for `torch.nn.functional.scaled_dot_product_attention` on (B, H, L, E) / (B, H, S, E) tensors
-    (3-D (B, L, E) too), any strides (the kernels read the transposed layout in place, no copies).
+    """Drop-in for `torch.nn.functional.scaled_dot_product_attention`: query (..., L, E), key (..., S, E), value
+    (..., S, Ev), any strides, the leading dimensions broadcast against each other as in torch (dim -3 is the heads
+    dimension; enable_gqa: query's heads a multiple of key/value's there). The output is (..., L, Ev).
 
     is_causal is top-left aligned as in torch (`ones(L, S).tril()`). attn_mask: boolean (True = attend) or an
-    additive float mask, broadcastable to (B, H, L, S); it gets no gradient (an attn_mask that requires grad is
-    an error). enable_gqa: as in torch (H_q a multiple of H_kv); without it the head counts must match.
-    Differences from torch: dropout_p > 0 is not supported (NotImplementedError); value must have key's head dim;
-    rows whose keys are all masked give 0 (torch gives NaN). The output is a (B, H, L, E) view of a
-    (B, L, H, E)-contiguous tensor.
+    additive float mask, broadcastable to (..., L, S); it gets no gradient (an attn_mask that requires grad is an
+    error). Differences from torch: dropout_p > 0 is not supported (NotImplementedError); rows whose keys are all
+    masked give 0 (torch gives NaN). The usual (B, H, L, E) inputs are read in place (no copies) and give a
+    (B, H, L, E) view of a (B, L, H, E)-contiguous tensor; broadcast batch dimensions that cannot be merged into
+    one, and Ev != E (the shorter head dim is zero-padded), cost a copy.
     """
     op = "kp_attention.scaled_dot_product_attention"
     for name, t in (("query", query), ("key", key), ("value", value)):
         kp_core.check_tensor(op, name, t, dtypes=DTYPES)
-        if t.dim() not in (3, 4):
+        if t.dim() < 2:
             raise ValueError(
-                f"{op}: {name} must have 4 dimensions (batch, heads, seqlen, head_dim) or 3, got shape {tuple(t.shape)}"
+                f"{op}: {name} must have at least 2 dimensions (..., seqlen, head_dim), got {tuple(t.shape)}"
             )
-    if not (query.dim() == key.dim() == value.dim()):
-        raise ValueError(f"{op}: query, key and value must have the same number of dimensions")
+    kp_core.check_same_dtype(op, "key", key, query, "query")
+    kp_core.check_same_dtype(op, "value", value, query, "query")
+    kp_core.check_same_device(op, query=query, key=key, value=value)
+    e, ev, lq, s = query.shape[-1], value.shape[-1], query.shape[-2], key.shape[-2]
+    if key.shape[-1] != e:
+        raise ValueError(f"{op}: query and key head dims differ: {e} and {key.shape[-1]}")
+    if value.shape[-2] != s:
+        raise ValueError(f"{op}: key and value sequence lengths differ: {s} and {value.shape[-2]}")
+    for name, dim in (("query/key", e), ("value", ev)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{op}: head dim of {name} must be between 1 and {MAX_HEAD_DIM}, got {dim}")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{op}: dropout_p must be a number in [0, 1], got {dropout_p!r}")
     if dropout_p > 0.0:
@@ -194,41 +204,72 @@ def scaled_dot_product_attention(
         raise TypeError(f"{op}: is_causal must be a bool, got {type(is_causal).__name__}")
     if is_causal and attn_mask is not None:
         raise ValueError(f"{op}: attn_mask and is_causal=True cannot be set together (as in torch)")
-    three_d = query.dim() == 3
-    if three_d:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, E) views
-    _check_qkv(op, q, k, v, 4, "(batch, heads, seqlen, head_dim)", ("query", "key", "value"))
-    b, lq, hq, e = q.shape
-    if k.shape[0] != b:
-        raise ValueError(f"{op}: batch sizes differ: query has {b}, key/value have {k.shape[0]}")
-    if hq != k.shape[2] and not enable_gqa:
-        raise ValueError(f"{op}: query has {hq} heads and key/value {k.shape[2]}; pass enable_gqa=True for GQA")
-    s = k.shape[1]
+    if scale is not None and (
+        not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale)
+    ):
+        raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
+    scale = float(default_scale(e) if scale is None else scale)
+    q, k, v, batch, hq, hkv = _sdpa_layout(op, query, key, value, enable_gqa)
     mask = None
     if attn_mask is not None:
         kp_core.check_tensor(op, "attn_mask", attn_mask, dtypes=(torch.bool, *kp_core.FLOAT_DTYPES))
         kp_core.check_same_device(op, query=query, attn_mask=attn_mask)
         if attn_mask.requires_grad:
             raise ValueError(f"{op}: attn_mask requires grad, but gradients w.r.t. the mask are not supported")
-        target = (b, lq, s) if three_d else (b, hq, lq, s)
+        target = (*batch, hq, lq, s)
         try:
             if torch.broadcast_shapes(attn_mask.shape, target) != torch.Size(target):
                 raise RuntimeError
         except RuntimeError:
+            shown = target[1:] if max(query.dim(), key.dim(), value.dim()) == 2 else target
             raise ValueError(
-                f"{op}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {target}"
+                f"{op}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {shown}"
             ) from None
-        mask = attn_mask.expand(target)
-        if three_d:
-            mask = mask.unsqueeze(1)
-    if scale is not None and (
-        not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale)
-    ):
-        raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
-    scale = float(default_scale(e) if scale is None else scale)
-    out = FLASH(q, k, v, mask, scale, 0.0, -1, 0 if is_causal else -1, False)[0].transpose(1, 2)
-    return out.squeeze(1) if three_d else out
+        mask = attn_mask.expand(target).reshape(q.shape[0], hq, lq, s)  # a view where the batch dims merge
+    d = max(e, ev)  # one head dim for the kernel: zeros added to q.k or to v change nothing
+    if e < d:
+        q, k = torch.nn.functional.pad(q, (0, d - e)), torch.nn.functional.pad(k, (0, d - e))
+    if ev < d:
+        v = torch.nn.functional.pad(v, (0, d - ev))
+    out = FLASH(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, 0.0, -1, 0 if is_causal else -1, False
+    )[0]
+    out = out.transpose(1, 2)[..., :ev].reshape(*batch, hq, lq, ev)
+    return out.squeeze(0) if max(query.dim(), key.dim(), value.dim()) == 2 else out
+
+
+def _sdpa_layout(op: str, query, key, value, enable_gqa: bool):
+    """(q, k, v as (B, H, S, E) views where possible, the broadcast batch shape, q heads, k/v heads): torch's
+    broadcasting of the dimensions before (seqlen, head_dim), with dim -3 as the heads."""
+    nd = max(3, query.dim(), key.dim(), value.dim())
+    q, k, v = (t[(None,) * (nd - t.dim())] for t in (query, key, value))  # leading 1s, as broadcasting reads it
+    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    try:
+        batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3]))
+    except RuntimeError:
+        raise ValueError(f"{op}: the batch dimensions of {shapes} do not broadcast") from None
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if enable_gqa:
+        if hk != hv or hk == 0 or hq % hk != 0:
+            raise ValueError(
+                f"{op}: with enable_gqa, key and value need the same heads (dim -3) and query's heads a multiple of "
+                f"them; got {shapes}"
+            )
+        hkv = hk
+    elif hk == hv == 1:  # one key/value head broadcast over query's heads: multi-query attention
+        hkv = 1
+    else:
+        try:
+            hq = hkv = torch.broadcast_shapes((hq,), (hk,), (hv,))[0]
+        except RuntimeError:
+            raise ValueError(
+                f"{op}: the heads (dim -3) of {shapes} do not broadcast; pass enable_gqa=True for GQA"
+            ) from None
+    b = math.prod(batch)
+    q, k, v = (
+        t.expand(*batch, h, *t.shape[-2:]).reshape(b, h, *t.shape[-2:]) for t, h in ((q, hq), (k, hkv), (v, hkv))
+    )
+    return q, k, v, batch, hq, hkv
 
 
 # ---- KV-cache decoding ----
