@@ -198,9 +198,9 @@ def plot(dense: list[dict], meta: dict, path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def tune() -> None:
-    """Time kp under each tile setting (kp_core.pin per kernel) on the S = 4096 cases; settings that do not
-    compile (shared memory) are skipped."""
+def tune(kernels: list[str] | None = None) -> None:
+    """Time kp under each tile setting (kp_core.pin per kernel; all three kernels, or `kernels`) on the S = 4096
+    cases; settings that do not compile (shared memory) are skipped."""
     fn = providers()["kp"]
     sweeps = {
         "_attn_fwd": [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)],
@@ -210,6 +210,8 @@ def tune() -> None:
     b, s = TOKENS // 4096, 4096
     q, k, v = (torch.randn(b, HEADS, s, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(3))
     for kernel, settings in sweeps.items():
+        if kernels and kernel not in kernels:
+            continue
         for causal in (False, True):
             fwd = kernel == "_attn_fwd"
             flops = 4 * b * HEADS * HEAD_DIM * visible_pairs(s, s, causal, -1) * (1.0 if fwd else 3.5)
@@ -232,10 +234,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--tune-kernels", nargs="*", help="with --tune: only these kernels (e.g. _attn_bwd_dq)")
     args = parser.parse_args()
     harness.require_gpu()
     if args.tune:
-        tune()
+        tune(args.tune_kernels)
         return
     torch._dynamo.config.cache_size_limit = 64
     dense = run_dense(args.quick)
