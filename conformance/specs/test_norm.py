@@ -171,9 +171,9 @@ class Case:
         return [None if t is None else t.double() for t in self.inputs()]
 
 
-def make_case(v: Variant, shape, dtype, layout, affine, eps, scale, seed, w_dtype=None) -> Case:
+def make_case(v: Variant, shape, dtype, layout, affine, eps, scale, seed, w_dtype=None, family="normal") -> Case:
     n = shape[-1:]
-    x = kc.make_input(shape, dtype, DEVICE, layout, scale=scale, seed=seed)
+    x = kc.make_input(shape, dtype, DEVICE, layout, scale=scale, seed=seed, family=family)
     # A residual stream is larger than the block's output: it gets its own scale and layout.
     r = kc.make_input(shape, dtype, DEVICE, "contiguous", scale=3.0, seed=seed + 3) if v.residual else None
     affine = affine or v.needs_weight
@@ -192,6 +192,7 @@ def last_dim_shapes(tier):
 
 case = dict(
     shape=last_dim_shapes(TIER),
+    family=st.sampled_from(kc.FAMILIES),
     layout=st.sampled_from(kc.LAYOUTS),
     affine=st.booleans(),
     eps=st.sampled_from([None, 1e-6, 1e-5]),
@@ -271,8 +272,8 @@ def check_drawn_cases(name, dtype, with_grads: bool, looped: bool):
 
     @settings(max_examples=EXAMPLES[name] if not looped else max(3, EXAMPLES[name] // 2))
     @given(**case)
-    def run(shape, layout, affine, eps, scale, seed):
-        c = make_case(VARIANTS[name], shape[0], dtype, layout, affine, eps, scale, seed)
+    def run(shape, family, layout, affine, eps, scale, seed):
+        c = make_case(VARIANTS[name], shape[0], dtype, layout, affine, eps, scale, seed, family=family)
         if looped:
             with looped_path(c.x.shape[-1]):
                 check_variant(VARIANTS[name], name, dtype, c, with_grads=with_grads, looped=True)

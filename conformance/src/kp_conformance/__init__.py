@@ -3,7 +3,7 @@
 from kp_conformance.env import arch, device, dtype_id, interpreting, not_covered_reason
 from kp_conformance.launched import assert_kernel_ran, kernel_backend, skip_if_not_covered
 from kp_conformance.spec import SPECS, Spec, declare
-from kp_conformance.strategies import LAYOUTS, kv_cache, make_input, randn, row_shapes
+from kp_conformance.strategies import FAMILIES, LAYOUTS, kv_cache, make_input, randn, row_shapes
 from kp_conformance.tiers import TIERS, current, register_profiles
 from kp_conformance.tolerance import atol_for, check_close, check_decode
 
@@ -25,6 +25,7 @@ __all__ = [
     "kernel_backend",
     "kv_cache",
     "make_input",
+    "FAMILIES",
     "randn",
     "not_covered_reason",
     "register_profiles",

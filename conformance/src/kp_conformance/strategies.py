@@ -89,12 +89,66 @@ def row_shapes(draw, tier: Tier) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return lead + norm, norm
 
 
-def make_input(shape: tuple[int, ...], dtype: torch.dtype, device, layout: str, *, scale: float = 1.0, seed: int = 0):
-    """A tensor of `shape` in the requested memory layout (values drawn from a seeded normal)."""
+# Value families beyond N(0, 1), per row (the last dim): where a norm's statistics or a softmax's range are
+# hard. "offset": a large common offset with small noise (mean and variance cancel); "ramp": a linear ramp;
+# "near_constant": one value plus noise 1e-3 of it; "one_huge": one element per row 1e3 times the rest; "tiny":
+# values around 1e-6 (fp16 subnormals); "zero_rows": every third row all zeros; "mixed": rows of alternating sign
+# and scale.
+FAMILIES = ("normal", "offset", "ramp", "near_constant", "one_huge", "tiny", "zero_rows", "mixed")
+
+
+def _family(x: torch.Tensor, family: str, g: torch.Generator) -> torch.Tensor:
+    """x (float64, drawn from N(0, scale^2)) reshaped into `family`'s values."""
+    if family == "normal" or x.numel() == 0:
+        return x
+    n = x.shape[-1]
+    if family == "offset":
+        return 1e3 * (1 + torch.rand(x.shape[:-1] + (1,), generator=g, dtype=x.dtype)) + 0.01 * x
+    if family == "ramp":
+        return torch.linspace(-2.0, 3.0, n, dtype=x.dtype).expand(x.shape) + 0.01 * x
+    if family == "near_constant":
+        return 3.0 + 3e-3 * x
+    if family == "one_huge":
+        x = x.contiguous().clone()
+        x[..., torch.randint(n, (1,), generator=g).item()] *= 1e3
+        return x
+    if family == "tiny":
+        return 1e-6 * x
+    if family == "zero_rows":
+        x = x.contiguous().clone()
+        if x.dim() > 1:
+            x.view(-1, n)[::3] = 0.0
+        return x
+    if family == "mixed":
+        signs = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).to(x.dtype)
+        return x.abs() * signs * torch.logspace(-2, 2, n, dtype=x.dtype)
+    raise ValueError(family)
+
+
+def make_input(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device,
+    layout: str,
+    *,
+    scale: float = 1.0,
+    seed: int = 0,
+    family: str = "normal",
+):
+    """A tensor of `shape` in the requested memory layout: values from a seeded normal, shaped by `family`
+    (FAMILIES) along the last dim of `shape`."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 
-    def randn(s):
-        return (torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+    def randn(s, swapped=False):  # swapped: s is the transposed layout's storage, its last two dims swapped
+        x = torch.randn(s, generator=g, dtype=torch.float64) * scale
+        if swapped:
+            x = _family(x.transpose(-1, -2).contiguous(), family, g).transpose(-1, -2).contiguous()
+        else:
+            x = _family(x, family, g)
+        if family != "normal" and dtype.is_floating_point:  # finite in the dtype (fp16's max is 65504)
+            lim = torch.finfo(dtype).max / 4
+            x = x.clamp(-lim, lim)
+        return x.to(dtype=dtype, device=device)
 
     if layout == "contiguous" or len(shape) == 0:
         return randn(shape)
@@ -104,7 +158,7 @@ def make_input(shape: tuple[int, ...], dtype: torch.dtype, device, layout: str, 
     if layout == "transposed":  # last dim is not unit-stride
         if len(shape) < 2:
             return randn(shape)
-        t = randn(shape[:-2] + (shape[-1], shape[-2]))
+        t = randn(shape[:-2] + (shape[-1], shape[-2]), swapped=True)
         return t.transpose(-1, -2)
     raise ValueError(layout)
 

@@ -9,6 +9,8 @@ Per row, with s = x + residual when there is one (rounded to the input dtype, as
 Backward, with z = n * (offset + w) + b, dz = dy * act'(z), dn = dz * (offset + w):
     dx = rstd * (dn - mean(dn) - n * mean(dn * n))   (rms drops mean(dn))   plus ds, the gradient of s
     dw = sum_rows(dz * n)      db = sum_rows(dz)
+with n unrounded under round_n too (the rounding's derivative taken as 1: the exact-arithmetic gradient; summing
+the rounded n's errors over rows made dw drift past the conformance rule where rows share one large element).
 dw and db are summed from one fp32 partial per program by a second small kernel, so they are deterministic (no
 atomics).
 

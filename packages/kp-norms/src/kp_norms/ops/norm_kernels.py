@@ -236,14 +236,15 @@ def _dz_and_n(
     ACT: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """n (zero outside the row), the n that multiplied w, and dz = dy * act'(z)."""
+    """n (zero outside the row) and dz = dy * act'(z). With ROUND_N the forward multiplied w by n rounded to the
+    input dtype; dw and dx take n unrounded (the rounding's derivative taken as 1), the gradient of the norm in
+    exact arithmetic: the rounded n's error, up to half an ulp per row, would otherwise add up in dw."""
     xc = x if RMS else tl.where(mask, x - mean, 0.0)
     n = xc * rstd
-    n_w = n.to(X_TY).to(ACC) if ROUND_N else n
     dz = dy
     if ACT != NONE:
         dz = dy * act_grad(_affine(n, w, b, X_TY, OFFSET, ROUND_N, HAS_W, HAS_B, ACC), ACT)
-    return n, n_w, dz
+    return n, dz
 
 
 @triton.jit
@@ -310,16 +311,16 @@ def _norm_bwd(
         row_ok = cur_rows < last
         rstd = tl.load(RSTD + cur_rows, mask=row_ok, other=0.0)[:, None]
         mean = None if RMS else tl.load(MEAN + cur_rows, mask=row_ok, other=0.0)[:, None]
-        n, n_w, dz = _dz_and_n(
+        n, dz = _dz_and_n(
             x, dy, mean, rstd, w, b, cur_mask, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET, ROUND_N, ACT, ACC
         )
         dn = dz
         if HAS_W:
             dn = dz * w_eff
             if KAHAN:
-                dw, dw_c = _kahan(dw, dw_c, tl.sum(dz * n_w, axis=0))
+                dw, dw_c = _kahan(dw, dw_c, tl.sum(dz * n, axis=0))
             else:
-                dw += tl.sum(dz * n_w, axis=0)
+                dw += tl.sum(dz * n, axis=0)
         if HAS_B:
             if KAHAN:
                 db, db_c = _kahan(db, db_c, tl.sum(dz, axis=0))
@@ -412,7 +413,7 @@ def _norm_bwd_looped(
             dy = tl.load(dy_row + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(ACC)
             w = tl.load(W + cols, mask=ok, other=0.0).to(ACC) if HAS_W else None
             b = tl.load(B + cols, mask=ok, other=0.0).to(ACC) if HAS_B else None
-            n, n_w, dn = _dz_and_n(
+            n, dn = _dz_and_n(
                 x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET, ROUND_N, ACT, ACC
             )
             if HAS_W:
@@ -428,13 +429,13 @@ def _norm_bwd_looped(
             dy = tl.load(dy_row + cols, mask=ok, other=0.0, eviction_policy="evict_first").to(ACC)
             w = tl.load(W + cols, mask=ok, other=0.0).to(ACC) if HAS_W else None
             b = tl.load(B + cols, mask=ok, other=0.0).to(ACC) if HAS_B else None
-            n, n_w, dz = _dz_and_n(
+            n, dz = _dz_and_n(
                 x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET, ROUND_N, ACT, ACC
             )
             dn = dz
             if HAS_W:
                 dn = dz * (w + OFFSET if OFFSET != 0.0 else w)
-                _accumulate(dw_row + cols, dw_comp + cols, dz * n_w, ok, KAHAN)
+                _accumulate(dw_row + cols, dw_comp + cols, dz * n, ok, KAHAN)
             if HAS_B:
                 _accumulate(db_row + cols, db_comp + cols, dz, ok, KAHAN)
             dx = dn - n * c1
