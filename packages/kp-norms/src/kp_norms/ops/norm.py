@@ -102,9 +102,12 @@ def _reference_norm(s, weight, bias, eps, rms, offset, round_n, act):
     xc = xf if rms else xf - mean[:, None]
     rstd = torch.rsqrt(xc.pow(2).mean(-1) + eps)
     n = xc * rstd[:, None]
-    if round_n:
-        n = n.to(s.dtype).to(xf.dtype)
-    z = n if weight is None else n * (weight.to(xf.dtype) + offset)
+    w = None if weight is None else weight.to(xf.dtype) + offset
+    if round_n:  # w multiplies n rounded to the input dtype; its gradient takes n unrounded, as the kernels' does
+        n_r = n.to(s.dtype).to(xf.dtype)
+        z = n_r if w is None else n_r * w.detach() + n * (w - w.detach())  # the second term is 0, dw = dy * n
+    else:
+        z = n if w is None else n * w
     z = z if bias is None else z + bias.to(xf.dtype)
     y = activation.reference(z, act).to(out_dtype(s, weight, round_n))
     return y, mean, rstd
