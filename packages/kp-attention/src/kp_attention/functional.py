@@ -210,6 +210,7 @@ def scaled_dot_product_attention(
         raise ValueError(f"{op}: scale must be a finite number or None, got {scale!r}")
     scale = float(default_scale(e) if scale is None else scale)
     q, k, v, batch, hq, hkv = _sdpa_layout(op, query, key, value, enable_gqa)
+    two_d = max(query.dim(), key.dim(), value.dim()) == 2  # _sdpa_layout added a heads dim of 1: dropped again
     mask = None
     if attn_mask is not None:
         kp_core.check_tensor(op, "attn_mask", attn_mask, dtypes=(torch.bool, *kp_core.FLOAT_DTYPES))
@@ -221,7 +222,7 @@ def scaled_dot_product_attention(
             if torch.broadcast_shapes(attn_mask.shape, target) != torch.Size(target):
                 raise RuntimeError
         except RuntimeError:
-            shown = target[1:] if max(query.dim(), key.dim(), value.dim()) == 2 else target
+            shown = target[1:] if two_d else target
             raise ValueError(
                 f"{op}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {shown}"
             ) from None
@@ -235,7 +236,7 @@ def scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, 0.0, -1, 0 if is_causal else -1, False
     )[0]
     out = out.transpose(1, 2)[..., :ev].reshape(*batch, hq, lq, ev)
-    return out.squeeze(0) if max(query.dim(), key.dim(), value.dim()) == 2 else out
+    return out.squeeze(0) if two_d else out
 
 
 def _sdpa_layout(op: str, query, key, value, enable_gqa: bool):
