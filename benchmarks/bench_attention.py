@@ -198,16 +198,17 @@ def plot(dense: list[dict], meta: dict, path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def tune(kernels: list[str] | None = None) -> None:
-    """Time kp under each tile setting (kp_core.pin per kernel; all three kernels, or `kernels`) on the S = 4096
-    cases; settings that do not compile (shared memory) are skipped."""
+def tune(kernels: list[str] | None = None, seq: int = 4096) -> None:
+    """Time kp under each tile setting (kp_core.pin per kernel; all three kernels, or `kernels`) at sequence
+    length `seq` (TOKENS // seq sequences), causal and not; settings that do not compile (shared memory) are
+    skipped."""
     fn = providers()["kp"]
     sweeps = {
         "_attn_fwd": [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)],
         "_attn_bwd_dkdv": [(bm, bn, w, st) for bm in (16, 32, 64) for bn in (64, 128) for w in (4, 8) for st in (2, 3)],
         "_attn_bwd_dq": [(bm, bn, w, st) for bm in (64, 128) for bn in (16, 32, 64) for w in (4, 8) for st in (2, 3)],
     }
-    b, s = TOKENS // 4096, 4096
+    b, s = TOKENS // seq, seq
     q, k, v = (torch.randn(b, HEADS, s, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(3))
     for kernel, settings in sweeps.items():
         if kernels and kernel not in kernels:
@@ -224,7 +225,7 @@ def tune(kernels: list[str] | None = None) -> None:
                     print(f"  {kernel} {cfg}: {type(e).__name__}: {str(e)[:100]}")
                     continue
                 results.append((flops / ms / 1e9, cfg))
-            print(f"tune {kernel} causal={causal}: best TFLOP/s (BLOCK_M, BLOCK_N, warps, stages)")
+            print(f"tune {kernel} S={s} causal={causal}: best TFLOP/s (BLOCK_M, BLOCK_N, warps, stages)")
             for tflops, cfg in sorted(results, reverse=True)[:4]:
                 print(f"   {tflops:6.0f}  {cfg}")
             kp_core.unpin(kernel)
@@ -234,11 +235,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--tune-seq", type=int, default=4096, help="with --tune: the sequence length")
     parser.add_argument("--tune-kernels", nargs="*", help="with --tune: only these kernels (e.g. _attn_bwd_dq)")
     args = parser.parse_args()
     harness.require_gpu()
     if args.tune:
-        tune(args.tune_kernels)
+        tune(args.tune_kernels, args.tune_seq)
         return
     torch._dynamo.config.cache_size_limit = 64
     dense = run_dense(args.quick)

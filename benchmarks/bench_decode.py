@@ -1,12 +1,13 @@
 """KV-cache decoding: kp.flash_attention_with_kvcache vs SDPA's FlashAttention-2 and cuDNN backends, one run.
 
     python benchmarks/bench_decode.py            # writes results/<device>/decode.{json,md,png}
-    python benchmarks/bench_decode.py --tune     # sweep kp's split-kernel settings on B16 L32768, print the best
+    python benchmarks/bench_decode.py --tune     # sweep kp's split-kernel settings (B16 L32768, B64 L8192, B1 L8192)
 
 q length 1, Hq 32 / Hkv 8, D 128, bf16. GB/s count the K and V bytes read (what bounds decoding). kp reads the
 cache in its (B, S, H, D) layout; SDPA gets (B, H, S, D) transposed views of the same tensors. kp is timed with
 its default value check of cache_seqlens (one device sync a call) and without it (VALIDATE_VALUES = False, what a
-serving loop that guarantees the lengths sets).
+serving loop that guarantees the lengths sets; the kernels stay in bounds either way). The paged columns read the same
+cache split into pages of 256 and 16 slots in shuffled order through a block_table.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import kp_core
 DTYPE = torch.bfloat16
 HEAD_DIM, HQ, HKV = 128, 32, 8
 CASES = [(1, 8192), (1, 32768), (16, 32768), (64, 8192)]
+WAVES = decode_mod.WAVES
+PAGES = (256, 16)  # FlashAttention's paged block size, and vLLM's
 
 
 def _sdpa(backend, q, k, v):
@@ -34,10 +37,10 @@ def _sdpa(backend, q, k, v):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
 
 
-def _kp_unchecked(q, k, v, seqlens):
+def _kp_unchecked(q, k, v, seqlens, block_table=None):
     decode_mod.VALIDATE_VALUES = False
     try:
-        return kp_attention.flash_attention_with_kvcache(q, k, v, seqlens)
+        return kp_attention.flash_attention_with_kvcache(q, k, v, seqlens, block_table=block_table)
     finally:
         decode_mod.VALIDATE_VALUES = True
 
@@ -46,6 +49,16 @@ def inputs(b: int, length: int):
     q = torch.randn(b, 1, HQ, HEAD_DIM, device="cuda", dtype=DTYPE)
     k = torch.randn(b, length, HKV, HEAD_DIM, device="cuda", dtype=DTYPE)
     return q, k, torch.randn_like(k), torch.full((b,), length, dtype=torch.int32, device="cuda")
+
+
+def paged(k: torch.Tensor, page: int):
+    """k (B, L, H, D) as a paged cache (num_blocks, page, H, D) in shuffled block order, and its block_table."""
+    b, length = k.shape[:2]
+    blocks = k.reshape(b * length // page, page, *k.shape[2:])
+    perm = torch.randperm(blocks.shape[0], device=k.device, generator=torch.Generator(k.device).manual_seed(0))
+    table = torch.empty_like(perm)
+    table[perm] = torch.arange(perm.numel(), device=k.device)  # block i of the sequence lives at table[i]
+    return blocks[perm].contiguous(), table.view(b, -1).to(torch.int32)
 
 
 def check_correct(q, k, v, seqlens) -> None:
@@ -73,6 +86,17 @@ def run() -> list[dict]:
         fns = {
             "kp": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens),
             "kp (no value check)": functools.partial(_kp_unchecked, q, k, v, seqlens),
+        }
+        contiguous = _kp_unchecked(q, k, v, seqlens).float()
+        for page in PAGES:  # the same cache, paged: only the layout (and BLOCK_N <= page) may change
+            k_paged, table = paged(k, page)
+            v_paged, _ = paged(v, page)
+            err = (_kp_unchecked(q, k_paged, v_paged, seqlens, table).float() - contiguous).abs().max().item()
+            assert err < 2e-2, f"paged ({page}) differs from contiguous by {err}"
+            fns[f"kp paged {page} (no value check)"] = functools.partial(
+                _kp_unchecked, q, k_paged, v_paged, seqlens, table
+            )
+        fns |= {
             "sdpa flash": functools.partial(_sdpa, SDPBackend.FLASH_ATTENTION, q, k, v),
             "sdpa cudnn": functools.partial(_sdpa, SDPBackend.CUDNN_ATTENTION, q, k, v),
         }
@@ -125,10 +149,17 @@ def plot(rows: list[dict], meta: dict, path) -> None:
 
 
 def tune() -> None:
-    q, k, v, seqlens = inputs(16, 32768)
+    for b, length in ((16, 32768), (64, 8192), (1, 8192)):
+        _tune_case(b, length)
+
+
+def _tune_case(b: int, length: int) -> None:
+    q, k, v, seqlens = inputs(b, length)
     results = []
-    for cfg in [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]:
+    tiles = [(bn, w, st) for bn in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)]
+    for cfg in [(*t, waves) for t in tiles for waves in (1, 2, 3, 4, 6)]:
         kp_core.pin("_decode_split", block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+        decode_mod.WAVES = cfg[3]
         try:
             ms = harness.bench_ms(functools.partial(_kp_unchecked, q, k, v, seqlens))
         except Exception as e:  # out of shared memory, or a compile failure: reported, skipped
@@ -136,8 +167,9 @@ def tune() -> None:
             continue
         results.append((2 * k.numel() * k.element_size() / ms / 1e6, cfg))
     kp_core.unpin("_decode_split")
-    print("tune decode B16 L32768: best GB/s (BLOCK_N, warps, stages)")
-    for gbps, cfg in sorted(results, reverse=True)[:4]:
+    decode_mod.WAVES = WAVES
+    print(f"tune decode B{b} L{length}: best GB/s (BLOCK_N, warps, stages, waves of programs per SM)")
+    for gbps, cfg in sorted(results, reverse=True)[:6]:
         print(f"   {gbps:6.0f}  {cfg}")
 
 

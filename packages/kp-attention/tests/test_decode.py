@@ -134,11 +134,22 @@ def test_no_visible_key_gives_zero_and_minus_inf(small_blocks):
 # ---- the in-place cache update ----
 
 
+def _strided(t):
+    """The same values with a head-dim stride of 2 (a view into a wider buffer)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    view = wide[..., ::2]
+    view.copy_(t)
+    return view
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_new_kv_written_into_cache(paged, dtype, small_blocks):
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_new_kv_written_into_cache(paged, dtype, strided, small_blocks):
     lens, new = [0, 20, 45], 3
     k_cache, v_cache, bt = make_cache(3, 48, 2, 24, dtype, paged, seed=15)
+    if strided:
+        k_cache, v_cache = _strided(k_cache), _strided(v_cache)
     k0, v0 = k_cache.clone(), v_cache.clone()
     q = rand(3, new, 4, 24, dtype=dtype, seed=16)
     k_new, v_new = rand(3, new, 2, 24, dtype=dtype, seed=17), rand(3, new, 2, 24, dtype=dtype, seed=18)
@@ -155,6 +166,50 @@ def test_new_kv_written_into_cache(paged, dtype, small_blocks):
             k_exp[where], v_exp[where] = k_new[b, t], v_new[b, t]
     assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp), "cache not updated exactly in place"
     check("appended", out, lse, q, k_cache, v_cache, [n + new for n in lens], block_table=bt)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_unchecked_bad_values_stay_in_bounds(paged, splits, small_blocks, monkeypatch):
+    """With the value check off (a serving loop's choice; graph capture skips it too), lengths outside
+    [0, capacity] and block ids outside the cache read and write nothing out of bounds: that sequence's rows
+    come out NaN and its new k / v are not written; the other sequences are unaffected."""
+    monkeypatch.setattr(decode, "VALIDATE_VALUES", False)
+    new, d = 2, 16
+    k_cache, v_cache, bt = make_cache(4, 64, 2, d, torch.float32, paged, seed=40)
+    lens = [10, 63, -1, 30]  # 63 + 2 new overflows the 64 slots; -1 is negative
+    if paged:
+        bt[3, 1] = k_cache.shape[0]  # sequence 3's second page (keys 16..31, in use) does not exist
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q = rand(4, new, 4, d, dtype=torch.float32, seed=41)
+    k_new, v_new = rand(4, new, 2, d, dtype=torch.float32, seed=42), rand(4, new, 2, d, dtype=torch.float32, seed=43)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    with kp_core.record_launches() as rec:
+        out, lse = fa(
+            q, k_cache, v_cache, seqlens, k=k_new, v=v_new, block_table=bt, num_splits=splits, return_lse=True
+        )
+    assert rec.backends(OP) == {KERNEL}
+    bad = [1, 2, 3] if paged else [1, 2]
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    check(
+        "good sequence",
+        out[:1],
+        lse[:1],
+        q[:1],
+        k_cache[:1] if bt is None else k_cache,
+        v_cache[:1] if bt is None else v_cache,
+        [12],
+        block_table=None if bt is None else bt[:1],
+    )
+    k_exp, v_exp = k0.clone(), v0.clone()
+    for t in range(new):
+        where = (0, 10 + t) if bt is None else (int(bt[0, 0]), 10 + t)
+        k_exp[where], v_exp[where] = k_new[0, t], v_new[0, t]
+        if not paged:  # sequence 3 is good when not paged
+            k_exp[3, 30 + t], v_exp[3, 30 + t] = k_new[3, t], v_new[3, t]
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp), "a bad sequence wrote into the cache"
+    if not paged:
+        check("good sequence 3", out[3:], lse[3:], q[3:], k_cache[3:], v_cache[3:], [32])
 
 
 # ---- registration: opcheck, compile, backends ----

@@ -39,6 +39,9 @@ def _decode_split(
     softcap,
     win_left,
     win_right,
+    capacity,
+    num_blocks,
+    new,
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -56,7 +59,11 @@ def _decode_split(
 
     Tile rows r are (q head h * GROUP + r // Sq, query r % Sq). Scores live in the log2 domain
     (s * log2(e)) so the softmax uses exp2; lse is stored in the log2 domain for the partials, natural
-    log for the final output."""
+    log for the final output.
+
+    Values the launcher's check would refuse (a length outside [new, capacity], a block id outside the cache;
+    possible when the check is off or skipped under graph capture) read nothing out of bounds: the sequence's
+    rows come out NaN instead."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mb = pid % m_blocks
@@ -64,6 +71,8 @@ def _decode_split(
     b = pid // (m_blocks * Hkv)
     b64 = b.to(tl.int64)
     L = tl.load(SEQLENS + b)
+    n_bad = ((L < new) | (L > capacity)).to(tl.int32)
+    L = tl.where(n_bad > 0, 0, L)  # nothing to read
 
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP * Sq
@@ -95,6 +104,9 @@ def _decode_split(
         offs_n = n0 + offs_n0
         if PAGED:
             page = tl.load(BT + b64 * stride_btb + n0 // PAGE).to(tl.int64)
+            page_ok = (page >= 0) & (page < num_blocks)
+            n_bad += tl.where(page_ok, 0, 1)
+            page = tl.where(page_ok, page, 0)
             slot = (n0 % PAGE + offs_n0).to(tl.int64)
             k_rows = page * stride_kb + slot * stride_kn
             v_rows = page * stride_vb + slot * stride_vn
@@ -139,6 +151,9 @@ def _decode_split(
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    if n_bad > 0:
+        out = tl.full([BLOCK_M, BLOCK_D], float("nan"), dtype=tl.float32)
+        lse2 = tl.full([BLOCK_M], float("nan"), dtype=tl.float32)
     hq64 = hq.to(tl.int64)
     row_id = (b64 * Hkv * GROUP + hq64) * Sq + qi  # row of the (B, Hq, Sq) lse
     if ONE_SPLIT:
@@ -192,5 +207,71 @@ def _decode_combine(
         denom += tl.sum(w, 0)
     out = acc / tl.where(denom > 0.0, denom, 1.0)
     tl.store(OUT + b * stride_ob + qi * stride_os + hq * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
-    lse_out = tl.where(denom > 0.0, (m_safe + tl.log2(tl.where(denom > 0.0, denom, 1.0))) * LN2, float("-inf"))
+    # denom is 0 for a row that sees no key (lse -inf) and NaN for a split that flagged bad input (lse NaN).
+    lse_out = tl.where(denom == 0.0, float("-inf"), (m_safe + tl.log2(tl.where(denom > 0.0, denom, 1.0))) * LN2)
+    lse_out = tl.where(denom == denom, lse_out, float("nan"))
     tl.store(LSE + row, lse_out)
+
+
+@triton.jit
+def _decode_append(
+    K_NEW,
+    stride_nb,
+    stride_ns,
+    stride_nh,
+    stride_nd,
+    V_NEW,
+    stride_mb,
+    stride_ms,
+    stride_mh,
+    stride_md,
+    K_CACHE,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    V_CACHE,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    SEQLENS,
+    BT,
+    stride_btb,
+    new,
+    Hkv,
+    capacity,
+    num_blocks,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """One new token (b, i) of k and v, all kv heads, written at position cache_seqlens[b] + i (through
+    block_table when paged). A sequence whose length or block id is out of range writes nothing (the split
+    kernel then gives its rows NaN), so no value of cache_seqlens or block_table writes outside the caches."""
+    pid = tl.program_id(0)
+    b = (pid // new).to(tl.int64)
+    i = pid % new
+    L = tl.load(SEQLENS + b)
+    ok = (L >= 0) & (L + new <= capacity)
+    pos = tl.where(ok, L + i, 0).to(tl.int64)
+    if PAGED:
+        page = tl.load(BT + b * stride_btb + pos // PAGE, mask=ok, other=-1).to(tl.int64)
+        ok = ok & (page >= 0) & (page < num_blocks)
+        k_row = page * stride_kb + (pos % PAGE) * stride_kn
+        v_row = page * stride_vb + (pos % PAGE) * stride_vn
+    else:
+        k_row = b * stride_kb + pos * stride_kn
+        v_row = b * stride_vb + pos * stride_vn
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)[None, :]
+    ok_d = offs_d * 0 + ok.to(tl.int64) > 0  # as a tile: the interpreter will not AND a scalar into a mask
+    for h0 in range(0, Hkv, BLOCK_H):
+        m = (h0 + offs_h < Hkv) & (offs_d < D) & ok_d
+        hh = h0 + offs_h
+        k = tl.load(K_NEW + b * stride_nb + i * stride_ns + hh * stride_nh + offs_d * stride_nd, mask=m)
+        tl.store(K_CACHE + k_row + hh * stride_kh + offs_d * stride_kd, k, mask=m)
+        v = tl.load(V_NEW + b * stride_mb + i * stride_ms + hh * stride_mh + offs_d * stride_md, mask=m)
+        tl.store(V_CACHE + v_row + hh * stride_vh + offs_d * stride_vd, v, mask=m)
