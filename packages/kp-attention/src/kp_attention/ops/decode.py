@@ -98,8 +98,8 @@ def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks):
 def _append(k_cache, v_cache, cache_seqlens, k, v, block_table):
     """Write k, v (B, Sn, Hkv, D) into the caches at positions cache_seqlens[b] + (0 .. Sn - 1), in place.
 
-    A torch scatter (one index_put_ per cache): no sync, CUDA-graph safe; ~B * Sn * Hkv * D elements, small
-    next to the attention read."""
+    The reference path's form (one index_put_ per cache; an index out of range raises in torch); the kernel
+    path writes through _launch_append."""
     batch, new = k.shape[:2]
     pos = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)[None, :]
     if block_table is None:
