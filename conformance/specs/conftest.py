@@ -14,3 +14,6 @@ import kp_conformance  # noqa: E402
 pytest_plugins = ["kp_conformance.plugin"]
 
 kp_conformance.register_profiles()
+
+# Canary-guarded kernel arguments and checksummed op inputs for every spec (KP_GUARD=0: off).
+kp_conformance.guard.install()

@@ -172,13 +172,14 @@ class Case:
 
 
 def make_case(v: Variant, shape, dtype, layout, affine, eps, scale, seed, w_dtype=None, family="normal") -> Case:
+    """affine: False, True (weight, and bias where the variant has one) or "bias" (a bias without weight)."""
     n = shape[-1:]
     x = kc.make_input(shape, dtype, DEVICE, layout, scale=scale, seed=seed, family=family)
     # A residual stream is larger than the block's output: it gets its own scale and layout.
     r = kc.make_input(shape, dtype, DEVICE, "contiguous", scale=3.0, seed=seed + 3) if v.residual else None
     affine = affine or v.needs_weight
     wd = w_dtype or dtype
-    w = kc.make_input(n, wd, DEVICE, "contiguous", seed=seed + 1) if affine else None
+    w = kc.make_input(n, wd, DEVICE, "contiguous", seed=seed + 1) if affine and affine != "bias" else None
     b = kc.make_input(n, wd, DEVICE, "contiguous", scale=0.5, seed=seed + 2) if affine and v.bias else None
     if eps is None and not v.eps_none_ok:
         eps = 1e-5
@@ -310,6 +311,21 @@ def test_values_looped(name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_gradients_looped(name, dtype):
     check_drawn_cases(name, dtype, with_grads=True, looped=True)
+
+
+@pytest.mark.parametrize(
+    "name",
+    cells("gradients, bias without weight", [n for n in NAMES if VARIANTS[n].bias and not VARIANTS[n].needs_weight]),
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_gradients_bias_without_weight(name, dtype):
+    """weight=None with a bias (F.layer_norm allows it): the backward's bias-only sums, fused and looped, in every
+    tier (the drawn cases give weight and bias together)."""
+    kc.skip_if_not_covered(dtype)
+    c = make_case(VARIANTS[name], (5, 40), dtype, "contiguous", "bias", None, 1.0, seed=7)
+    check_variant(VARIANTS[name], name, dtype, c, with_grads=True, looped=False)
+    with looped_path(40):
+        check_variant(VARIANTS[name], name, dtype, c, with_grads=True, looped=True)
 
 
 FIXED_SHAPES = [(7, 33), (3, 5, 257), (2, 16385)]

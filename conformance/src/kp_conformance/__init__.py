@@ -1,5 +1,6 @@
 """kp-conformance: shared strategies, tiers, tolerance rule and reporting for kp's kernel specs."""
 
+from kp_conformance import guard
 from kp_conformance.env import arch, device, dtype_id, interpreting, not_covered_reason
 from kp_conformance.launched import assert_kernel_ran, kernel_backend, skip_if_not_covered
 from kp_conformance.spec import SPECS, Spec, declare
@@ -8,6 +9,7 @@ from kp_conformance.tiers import TIERS, current, register_profiles
 from kp_conformance.tolerance import atol_for, check_close, check_decode
 
 __all__ = [
+    "guard",
     "LAYOUTS",
     "SPECS",
     "Spec",

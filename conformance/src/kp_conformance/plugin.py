@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kp_conformance import env, tiers
+from kp_conformance import census, env, tiers
 
 _STATUS = {"passed": "pass", "failed": "fail", "skipped": "not covered"}
 
@@ -67,8 +67,47 @@ def _merge(cells: list[dict]) -> dict:
     return {**cells[0], "status": status, "reason": "; ".join(reasons), "tests": len(cells)}
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist controller: a worker's branch census."""
+    sent = getattr(node, "workeroutput", {}).get("kp_census")
+    if sent:
+        census.merge(json.loads(sent))
+
+
+def _whole_files(config) -> bool:
+    """The run selected whole spec files or directories (no -k, -m or node ids): the census is enforced."""
+    args = config.invocation_params.args
+    return not config.option.keyword and not config.option.markexpr and not any("::" in str(a) for a in args)
+
+
+def _census_cells(session) -> list[dict]:
+    """One cell per touched kernels module: every launchable kernel launched, every bool switch both ways."""
+    gaps = census.gaps()
+    cells = []
+    for module in sorted({k.split(":")[0] for k in census.data()["seen"]}):
+        missing = [g for g in gaps if g.startswith(f"{module}:")]
+        status = "fail" if missing else "pass"
+        cells.append(
+            {
+                "kernel": module.split(".")[-1],
+                "property": "every_branch",
+                "dtype": "-",
+                "status": status,
+                "reason": "; ".join(missing),
+                "test": "census",
+                "tests": 1,
+            }
+        )
+    if gaps and _whole_files(session.config):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        session.config._kp_gaps = gaps
+    return cells
+
+
 def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes the report
+        session.config.workeroutput["kp_census"] = json.dumps(census.data())
         return
     cells = _CELLS
     if not cells:
@@ -84,7 +123,10 @@ def pytest_sessionfinish(session, exitstatus):
         "tier": tiers.current().name,
         **env.versions(),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cells": sorted((_merge(v) for v in cells.values()), key=lambda c: (c["kernel"], c["property"], c["dtype"])),
+        "cells": sorted(
+            [*(_merge(v) for v in cells.values()), *_census_cells(session)],
+            key=lambda c: (c["kernel"], c["property"], c["dtype"]),
+        ),
     }
     path = out_dir / f"{report['arch']}-{report['tier']}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
@@ -92,6 +134,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for gap in getattr(config, "_kp_gaps", ()):
+        terminalreporter.write_line(f"kp branch census: not reached: {gap}", red=True)
     path = getattr(config, "_kp_report_path", None)
     if path:
         terminalreporter.write_line(f"kp conformance report: {path}")

@@ -100,3 +100,31 @@ def test_launch_refuses_arguments_out_of_the_kernels_order(monkeypatch):
     x = torch.zeros(4)
     with pytest.raises(TypeError, match="_kernel takes"):
         kp_core.launch("op", kp_core.INTERPRET, _kernel, (1,), (x, 4), dict(SCALE=2, BLOCK=4))
+
+
+def test_a_guard_launches_with_the_arguments_it_passes_on(monkeypatch):
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    @triton.jit
+    def _ones(X, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(X + i, tl.full((BLOCK,), 1.0, tl.float32), mask=i < n)
+
+    x, elsewhere = torch.zeros(4), torch.zeros(4)
+
+    class Redirect:
+        def launch(self, op, kernel, args, consts, go):
+            self.seen = (op, kernel.fn.__name__, dict(consts))
+            go((elsewhere, *args[1:]))
+
+    guard = Redirect()
+    previous = kp_core.set_guard(guard)
+    try:
+        kp_core.launch("op", kp_core.INTERPRET, _ones, (1,), (x, 4), dict(BLOCK=4))
+    finally:
+        kp_core.set_guard(previous)
+    assert guard.seen == ("op", "_ones", {"BLOCK": 4})
+    assert not x.any() and elsewhere.eq(1).all()

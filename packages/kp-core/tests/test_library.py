@@ -169,3 +169,31 @@ def test_workspace_is_reused_per_key_and_not_past_its_limits(monkeypatch):
     assert kp_core.workspace(x, (5,), torch.float64) is not big  # over MAX_BYTES: never cached
     scratch.clear()
     assert kp_core.workspace(x, (2, 3), torch.float64) is not a
+
+
+class _RecordingGuard:
+    """A guard that notes what passes through it and changes nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, op, kernel, args, consts, go):
+        go(args)
+
+    def call(self, name, fn, args, mutated):
+        self.calls.append((name, mutated))
+        return fn(*args)
+
+
+def test_a_guard_sees_every_forward_and_backward_call_on_each_path():
+    guard = _RecordingGuard()
+    previous = kp_core.set_guard(guard)
+    try:
+        x = torch.randn(4, requires_grad=True)
+        AXPY(x, None, 2.0, False)[0].sum().backward()  # the eager autograd.Function path
+        with torch.no_grad():
+            AXPY(x, None, 2.0, False)  # the launcher alone
+        AXPY.op(x, None, 2.0, False)[0].sum().backward()  # the custom op (dispatcher) path
+    finally:
+        assert kp_core.set_guard(previous) is guard
+    assert guard.calls == [(OP, ()), (f"{OP}_backward", ()), (OP, ()), (OP, ()), (f"{OP}_backward", ())]

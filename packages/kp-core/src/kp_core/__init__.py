@@ -27,7 +27,16 @@ from kp_core.launch_config import (
     row_config,
     sm_count,
 )
-from kp_core.launches import Constexprs, Launch, LaunchRecord, launch, note_launch, record_launches, reference
+from kp_core.launches import (
+    Constexprs,
+    Launch,
+    LaunchRecord,
+    launch,
+    note_launch,
+    record_launches,
+    reference,
+    set_guard,
+)
 from kp_core.library import KernelInfo, Op, op, registered_kernels
 from kp_core.scratch import workspace
 from kp_core.tuning import pin, pinned, settings, unpin
@@ -70,6 +79,7 @@ __all__ = [
     "pinned",
     "record_launches",
     "reference",
+    "set_guard",
     "registered_kernels",
     "row_config",
     "settings",

@@ -87,6 +87,19 @@ def reference(op: str) -> None:
 _COMPILED: dict[tuple, tuple] = {}
 _FAST = os.environ.get("KP_FAST_LAUNCH", "1") != "0"
 
+# A checker around every launch and every op call, or None (normal use). The conformance suite installs one
+# (kp_conformance.guard) to move kernel arguments into canary-guarded buffers and to catch writes to inputs.
+_guard = None
+
+
+def set_guard(guard) -> object:
+    """Install `guard` (None removes it) and return the previous one. A guard has `launch(op, kernel, args,
+    consts, go)`, which must call `go(args)` once (with the same or replacement tensors), and `call(name, fn,
+    args, mutated)`, which must return `fn(*args)`; `mutated` are the argument indices the op may write."""
+    global _guard
+    previous, _guard = _guard, guard
+    return previous
+
 
 def _spec(args: tuple) -> tuple:
     """What Triton specialises a compiled kernel on, per argument (see the module docstring): for an int whether
@@ -163,6 +176,15 @@ def launch(
 
     `args` are the runtime arguments in the kernel's order, `consts` its constexprs by name. The constexprs
     must follow the runtime arguments in the kernel's signature (kp's kernels are written that way)."""
+    if _guard is not None:
+        _guard.launch(
+            op, kernel, args, consts, lambda a: _launch(op, backend, kernel, grid, a, consts, num_warps, num_stages)
+        )
+        return
+    _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages)
+
+
+def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages) -> None:
     if backend == INTERPRET or not _FAST:
         _check_order(kernel, args, consts)
         kernel[grid](*args, **consts, **_options(num_warps, num_stages))

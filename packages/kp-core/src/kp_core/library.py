@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kp_core import launches
+
 
 @dataclass(frozen=True)
 class KernelInfo:
@@ -104,12 +106,16 @@ class Op:
         self._tensor_grad_index = tuple(self._grad_index[i] for i in self._tensors)
         self._mutated = tuple(names.index(n) for n in mutates_args)
         self._n_grad_outputs = differentiable_outputs
-        self.op = torch.library.custom_op(name, _schema_outputs(forward), mutates_args=tuple(mutates_args))
+        self.op = torch.library.custom_op(
+            name, _schema_outputs(forward, name, self._mutated), mutates_args=tuple(mutates_args)
+        )
         self.op.register_fake(_schema_outputs(forward_fake))
         _REGISTRY[name] = KernelInfo(name, package, spec, tuple(dtypes), self.op)
         self.backward_op = None
         if backward is not None:
-            self.backward_op = torch.library.custom_op(f"{name}_backward", _schema_outputs(backward), mutates_args=())
+            self.backward_op = torch.library.custom_op(
+                f"{name}_backward", _schema_outputs(backward, f"{name}_backward"), mutates_args=()
+            )
             self.backward_op.register_fake(_schema_outputs(backward_fake))
             self.op.register_autograd(self._op_backward, setup_context=self._setup_context)
             _REGISTRY[f"{name}_backward"] = KernelInfo(
@@ -130,7 +136,8 @@ class Op:
                     if torch._C._are_functorch_transforms_active():
                         return _Function.apply(self, args, *tensors)
                     return _APPLY(self, args, *tensors)
-        out = self.forward(*args)
+        guard = launches._guard
+        out = self.forward(*args) if guard is None else guard.call(self.name, self.forward, args, self._mutated)
         for i in self._mutated:  # what the dispatcher does for a mutating op: autograd sees the write
             if args[i] is not None:
                 torch.autograd.graph.increment_version(args[i])
@@ -163,13 +170,15 @@ class Op:
         return self._input_grads(ctx.absent, ctx.needs_input_grad, results)
 
 
-def _schema_outputs(fn: Callable) -> Callable:
+def _schema_outputs(fn: Callable, name: str | None = None, mutated: tuple = ()) -> Callable:
     """A launcher (or fake) as the custom op's implementation: the same signature (the op's schema), with each
-    None output replaced by a zero-size tensor on the first tensor argument's device and dtype."""
+    None output replaced by a zero-size tensor on the first tensor argument's device and dtype. A launcher (with
+    its op's `name`) runs under the installed guard, if any."""
 
     @functools.wraps(fn)
     def impl(*args):
-        out = fn(*args)
+        guard = launches._guard if name is not None else None
+        out = fn(*args) if guard is None else guard.call(name, fn, args, mutated)
         if isinstance(out, tuple) and any(o is None for o in out):
             like = next(a for a in args if isinstance(a, torch.Tensor))
             out = tuple(like.new_empty((0,)) if o is None else o for o in out)
@@ -185,7 +194,8 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: Op, args: tuple, *tensors):
         ctx.set_materialize_grads(False)  # an output nobody used must not cost a pass over zeros
-        outputs = op.forward(*args)
+        guard = launches._guard
+        outputs = op.forward(*args) if guard is None else guard.call(op.name, op.forward, args, op._mutated)
         op._saved(ctx, args, outputs if isinstance(outputs, tuple) else (outputs,))
         ctx.op = op
         return outputs
@@ -193,7 +203,9 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op = ctx.op
-        results = op.backward(*grads[: ctx.n_grads], *ctx.saved_tensors, *ctx.constants)
+        args = (*grads[: ctx.n_grads], *ctx.saved_tensors, *ctx.constants)
+        guard = launches._guard
+        results = op.backward(*args) if guard is None else guard.call(f"{op.name}_backward", op.backward, args, ())
         results = results if isinstance(results, tuple) else (results,)
         # needs_input_grad covers (op, args, *tensors) and is False for a tensor argument that was None.
         needs = ctx.needs_input_grad

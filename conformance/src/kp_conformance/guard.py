@@ -1,0 +1,182 @@
+"""Guarded buffers: what a value comparison cannot see.
+
+Installed for every spec (kp_core.set_guard), the guard
+- moves every tensor a kernel launch receives into a larger buffer filled with a canary byte: PAD bytes before,
+  after, and in the gaps of strided views (views of one storage share one buffer, so aliasing is kept). After
+  the launch, a changed canary byte fails the test naming the op, kernel, argument and offset; what the kernel
+  wrote inside its tensors is copied back. The canary is all-ones bytes, a NaN in every float dtype, so a load
+  that strays outside a tensor poisons the values the spec then compares.
+- checksums (bitwise) every tensor argument of every op call, forward and backward, that the op does not declare
+  as mutated, and fails the test naming the op, argument and first changed element if the call wrote to it.
+
+It also takes the branch census (kp_conformance.census). KP_GUARD=0 turns both off (e.g. to time a spec without
+the copies).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+from kp_conformance import census
+
+CANARY = 0xFF
+PAD = 4096  # bytes on each side: past a row of any tier, so a stray store lands in the canary, not elsewhere
+
+
+class GuardError(AssertionError):
+    pass
+
+
+def _byte_offsets(t: torch.Tensor) -> torch.Tensor:
+    """Byte offsets (from the storage's start) of every byte of every element of `t`, flattened."""
+    es = t.element_size()
+    off = torch.full((), t.storage_offset() * es, dtype=torch.int64, device=t.device)
+    for size, stride in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(size, device=t.device) * (stride * es)
+    return (off.reshape(-1, 1) + torch.arange(es, device=t.device)).reshape(-1)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of `t` in its storage."""
+    es = t.element_size()
+    lo = t.storage_offset() * es
+    hi = lo + (sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) + 1) * es
+    return lo, hi
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage of `t` as a flat uint8 tensor (a view: writes reach `t`)."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class _Group:
+    """The views of one storage among a launch's arguments, re-homed into one guarded buffer."""
+
+    def __init__(self, views: list[tuple[int, torch.Tensor]]):
+        first = views[0][1]
+        spans = [_span(t) for _, t in views]
+        self.lo, self.hi = min(s[0] for s in spans), max(s[1] for s in spans)
+        self.views = views
+        self.original = _storage_bytes(first)[self.lo : self.hi]
+        # Keep each pointer's 16-byte alignment (Triton specialises on it).
+        self.pad = PAD + (first.untyped_storage().data_ptr() + self.lo) % 16
+        n = self.hi - self.lo
+        total = -(-(self.pad + n + PAD) // 16) * 16
+        self.buffer = torch.full((total,), CANARY, dtype=torch.uint8, device=first.device)
+        allowed = torch.zeros(n, dtype=torch.bool, device=first.device)
+        for _, t in views:
+            if t.is_contiguous():
+                lo, hi = _span(t)
+                allowed[lo - self.lo : hi - self.lo] = True
+            else:
+                allowed[_byte_offsets(t) - self.lo] = True
+        self.allowed = allowed
+        inner = self.buffer[self.pad : self.pad + n]
+        inner[allowed] = self.original[allowed]
+        self.before = self.buffer.clone()
+
+    def rehomed(self, t: torch.Tensor) -> torch.Tensor:
+        es = t.element_size()
+        offset = self.pad + t.storage_offset() * es - self.lo
+        return self.buffer.view(t.dtype).as_strided(t.shape, t.stride(), offset // es)
+
+    def check_and_copy_back(self, where: str, names: list[str]) -> None:
+        n = self.hi - self.lo
+        changed = self.buffer != self.before
+        stray = changed.clone()
+        stray[self.pad : self.pad + n] &= ~self.allowed
+        if bool(stray.any()):
+            byte = int(stray.nonzero()[0, 0]) - self.pad + self.lo  # in the original storage
+            i, t = self.views[0]
+            es = t.element_size()
+            rel = byte - t.storage_offset() * es
+            side = "before" if byte < self.lo else "after" if byte >= self.hi else "in a gap of"
+            raise GuardError(
+                f"{where}: wrote {int(stray.sum())} byte(s) outside argument {names[i]!r} "
+                f"(shape {tuple(t.shape)}, stride {t.stride()}, {t.dtype}); first at element offset "
+                f"{rel / es:+g} from its start, {side} its elements"
+            )
+        inner = changed[self.pad : self.pad + n]
+        if bool(inner.any()):
+            self.original[inner] = self.buffer[self.pad : self.pad + n][inner]
+
+
+class Guard:
+    """The object kp_core.set_guard installs (see the module docstring)."""
+
+    def launch(self, op, kernel, args, consts, go) -> None:
+        census.note(kernel, consts)
+        groups: dict[tuple, list] = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.numel() > 0:
+                key = (a.device, a.untyped_storage().data_ptr())
+                groups.setdefault(key, []).append((i, a))
+        if not groups:
+            go(args)
+            return
+        with torch.no_grad():
+            guarded = [_Group([(i, a.detach()) for i, a in views]) for views in groups.values()]
+            new = list(args)
+            for g in guarded:
+                for i, t in g.views:
+                    new[i] = g.rehomed(t)
+            go(tuple(new))
+            names = _arg_names(kernel, len(args))
+            for g in guarded:
+                g.check_and_copy_back(f"{op}: kernel {_kernel_name(kernel)}", names)
+
+    def call(self, name, fn, args, mutated):
+        with torch.no_grad():
+            saved = [
+                (i, a, a.detach().clone())
+                for i, a in enumerate(args)
+                if isinstance(a, torch.Tensor) and i not in mutated and a.numel() > 0
+            ]
+        out = fn(*args)
+        with torch.no_grad():
+            for i, a, before in saved:
+                if not _same_bits(a, before):
+                    names = _arg_names(fn, len(args))
+                    where = (_bits(a) != _bits(before)).reshape(-1).nonzero()
+                    raise GuardError(
+                        f"{name}: the call wrote to its input {names[i]!r} (shape {tuple(a.shape)}, {a.dtype}); "
+                        f"first changed element at flat index {int(where[0, 0])}"
+                    )
+        return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements as integers of the same width, so NaNs compare by their bits."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if t.dtype == torch.bool or t.is_complex():
+        return t.contiguous().view(torch.uint8)
+    return t.contiguous().view(ints[t.element_size()])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(_bits(a), _bits(b))
+
+
+def _kernel_name(kernel) -> str:
+    return getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+
+
+def _arg_names(fn, n: int) -> list[str]:
+    """Parameter names of a kernel or launcher (positional ones first), padded with indices."""
+    try:
+        names = list(getattr(fn, "arg_names", None) or inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    return (names + [f"#{i}" for i in range(len(names), n)])[:n] if n else names
+
+
+def install() -> None:
+    """Install the guard unless KP_GUARD=0."""
+    if os.environ.get("KP_GUARD", "1") != "0":
+        import kp_core
+
+        kp_core.set_guard(Guard())
