@@ -4,6 +4,7 @@
     nox -s demo              the Llama-style demo: eager vs kp-patched, outputs, gradients, time, memory
     nox -s bench             benchmarks against the anchors (needs a GPU)
     nox -s conformance-report
+    nox -s mutants           planted bugs in one package's kernels: do its specs catch them? (-- --package P)
 
 On a machine without a package registry (the GPU box) run `nox --no-venv -s conformance`: sessions then use
 the current interpreter's packages and put packages/*/src on PYTHONPATH instead of installing.
@@ -107,6 +108,24 @@ def conformance(session: nox.Session) -> None:
         *workers,
         env=env,
     )
+
+
+@nox.session(python="3.11")
+def mutants(session: nox.Session) -> None:
+    """Planted bugs: one at a time in a package's Triton kernels, each run against its specs on the CPU.
+
+    nox -s mutants -- --package kp-norms --list
+    nox -s mutants -- --package kp-norms --sample 20 --jobs 2 --out docs/mutants.md
+    """
+    _install_torch(session)
+    env = {}
+    if _installing(session):
+        session.install(*TEST_DEPS)
+        session.install("--no-deps", str(ROOT / "conformance"))
+    else:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "conformance" / "src"), os.environ.get("PYTHONPATH", "")])
+    # Each mutant runs on its own copy of packages/ and conformance/, with their src folders on PYTHONPATH.
+    session.run("python", "-m", "kp_conformance.mutants", "--root", str(ROOT), *session.posargs, env=env)
 
 
 @nox.session(name="conformance-report", python="3.11")

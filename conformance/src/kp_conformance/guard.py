@@ -67,17 +67,22 @@ class _Group:
         n = self.hi - self.lo
         total = -(-(self.pad + n + PAD) // 16) * 16
         self.buffer = torch.full((total,), CANARY, dtype=torch.uint8, device=first.device)
-        allowed = torch.zeros(n, dtype=torch.bool, device=first.device)
-        for _, t in views:
-            if t.is_contiguous():
-                lo, hi = _span(t)
-                allowed[lo - self.lo : hi - self.lo] = True
-            else:
-                allowed[_byte_offsets(t) - self.lo] = True
-        self.allowed = allowed
-        inner = self.buffer[self.pad : self.pad + n]
-        inner[allowed] = self.original[allowed]
-        self.before = self.buffer.clone()
+        self.inner = self.buffer[self.pad : self.pad + n]
+        # Which bytes of [lo, hi) the views cover: None when one contiguous view covers them all (the common case,
+        # which then needs no mask).
+        self.allowed = None
+        if not any(t.is_contiguous() and _span(t) == (self.lo, self.hi) for _, t in views):
+            self.allowed = torch.zeros(n, dtype=torch.bool, device=first.device)
+            for _, t in views:
+                if t.is_contiguous():
+                    lo, hi = _span(t)
+                    self.allowed[lo - self.lo : hi - self.lo] = True
+                else:
+                    self.allowed[_byte_offsets(t) - self.lo] = True
+        if self.allowed is None:
+            self.inner.copy_(self.original)
+        else:
+            self.inner[self.allowed] = self.original[self.allowed]
 
     def rehomed(self, t: torch.Tensor) -> torch.Tensor:
         es = t.element_size()
@@ -85,24 +90,31 @@ class _Group:
         return self.buffer.view(t.dtype).as_strided(t.shape, t.stride(), offset // es)
 
     def check_and_copy_back(self, where: str, names: list[str]) -> None:
-        n = self.hi - self.lo
-        changed = self.buffer != self.before
-        stray = changed.clone()
-        stray[self.pad : self.pad + n] &= ~self.allowed
+        stray = self.buffer != CANARY
+        if self.allowed is None:
+            stray[self.pad : self.pad + len(self.inner)] = False
+        else:
+            stray[self.pad : self.pad + len(self.inner)] &= ~self.allowed
         if bool(stray.any()):
             byte = int(stray.nonzero()[0, 0]) - self.pad + self.lo  # in the original storage
-            i, t = self.views[0]
+            i, t = min(self.views, key=lambda v: _distance(byte, _span(v[1])))
             es = t.element_size()
             rel = byte - t.storage_offset() * es
-            side = "before" if byte < self.lo else "after" if byte >= self.hi else "in a gap of"
+            lo, hi = _span(t)
+            side = "before" if byte < lo else "after" if byte >= hi else "in a gap of"
             raise GuardError(
                 f"{where}: wrote {int(stray.sum())} byte(s) outside argument {names[i]!r} "
                 f"(shape {tuple(t.shape)}, stride {t.stride()}, {t.dtype}); first at element offset "
                 f"{rel / es:+g} from its start, {side} its elements"
             )
-        inner = changed[self.pad : self.pad + n]
-        if bool(inner.any()):
-            self.original[inner] = self.buffer[self.pad : self.pad + n][inner]
+        if self.allowed is None:
+            self.original.copy_(self.inner)
+        else:
+            self.original[self.allowed] = self.inner[self.allowed]
+
+
+def _distance(byte: int, span: tuple[int, int]) -> int:
+    return max(span[0] - byte, byte - span[1] + 1, 0)
 
 
 class Guard:
