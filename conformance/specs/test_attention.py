@@ -15,13 +15,13 @@ import kp_attention
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from kp_attention.ops import attention as attention_mod
 
 import kp_conformance as kc
 import kp_core
-from kp_conformance.references import attention64, attention_lowp, lse_lowp
+from kp_conformance.references import allowed, attention64, attention_lowp, lse_lowp
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TIER = kc.current()
@@ -81,21 +81,32 @@ def attn_cases(draw):
         scale=draw(st.sampled_from((None, 0.3))),
         layout=draw(st.sampled_from(("contiguous", "bhsd"))),
         seed=draw(st.integers(0, 2**16)),
+        family=draw(st.sampled_from(kc.ATTENTION_FAMILIES)),  # per example: no more tests
     )
 
 
 def make_qkv(c, dtype, requires_grad=False):
+    """q, k, v for case c: N(0, 1), shaped by c's value family (kc.ATTENTION_FAMILIES; default normal)."""
     g = torch.Generator().manual_seed(c["seed"])
+    bhsd = c["layout"] == "bhsd"  # a (B, H, S, D) tensor seen through a transpose: strided, not contiguous
 
-    def t(s, h):
-        shape = (c["b"], s, h, c["d"])
-        if c["layout"] == "bhsd":  # a (B, H, S, D) tensor seen through a transpose: strided, not contiguous
-            x = torch.randn((c["b"], h, s, c["d"]), generator=g, dtype=torch.float64).transpose(1, 2)
-        else:
-            x = torch.randn(shape, generator=g, dtype=torch.float64)
+    def randn(s, h):
+        if bhsd:
+            return torch.randn((c["b"], h, s, c["d"]), generator=g, dtype=torch.float64).transpose(1, 2)
+        return torch.randn((c["b"], s, h, c["d"]), generator=g, dtype=torch.float64)
+
+    q, k, v = randn(c["sq"], c["hq"]), randn(c["sk"], c["hkv"]), randn(c["sk"], c["hkv"])
+    if c.get("family", "normal") != "normal":
+        scale = c["scale"] or 1 / math.sqrt(c["d"])
+        visible = allowed(c["sq"], c["sk"], c["causal"], c["window"], "cpu")
+        q, k = kc.attention_family(q, k, c["family"], g, scale=scale, visible=visible)
+
+    def finish(x):
+        if bhsd:
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
         return x.to(dtype=dtype, device=DEVICE).requires_grad_(requires_grad)
 
-    return t(c["sq"], c["hq"]), t(c["sk"], c["hkv"]), t(c["sk"], c["hkv"])
+    return finish(q), finish(k), finish(v)
 
 
 def kw(c):
@@ -131,6 +142,30 @@ def check_gradients(fn, q, k, v, dtype, seed, **options):
     return rec
 
 
+# Known failure of the fp32 backward: it rebuilds P as exp(s - lse) from the fp32 lse the forward returns, which
+# carries lse's rounding (an ulp of lse: 1.9e-6 at 20, 7.6e-6 at 80) into every probability, where PyTorch's
+# exp(s - max) / sum is exact for the top key. A row whose top key dominates at a large lse (the large_range and
+# one_dominant families) is then outside the 2x rule (softcap 20, sq 1, sk 2, d 16: dv 9.4e-7 > bound 4.0e-7).
+# (The fp32 forward had the same flaw and now normalises by the row's max and sum.) The fix keeps the row max
+# and sum, or an fp64 lse, for the fp32 backward. Drawn gradient cases leave fp32 with these two families out;
+# test_known_fp32_backward_dominant_key keeps the failing case as a strict xfail, a fail in the matrix until fixed.
+KNOWN_FP32_BACKWARD = "fp32 backward, one dominant key at a large lse: P = exp(s - lse) with an fp32 lse"
+
+
+def known_failure(c, dtype) -> bool:
+    return dtype == torch.float32 and c["family"] in ("large_range", "one_dominant")
+
+
+@pytest.mark.conformance(kernel="flash_attention", prop="gradients, fp32 dominant key (known failure)")
+@pytest.mark.xfail(strict=True, reason=KNOWN_FP32_BACKWARD)
+def test_known_fp32_backward_dominant_key():
+    c = dict(b=1, sq=1, sk=2, hq=1, hkv=1, d=16, causal=False, window=(-1, -1), softcap=20.0, scale=None)
+    c.update(layout="contiguous", seed=2, family="one_dominant")
+    q, k, v = make_qkv(c, torch.float32)
+    fn = lambda q, k, v: kp_attention.flash_attention(q, k, v, **kw(c))  # noqa: E731
+    check_gradients(fn, q, k, v, torch.float32, c["seed"] + 1, **kw(c))
+
+
 @pytest.mark.conformance(kernel="flash_attention", prop="values")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @settings(max_examples=EXAMPLES)
@@ -150,6 +185,7 @@ def test_values(dtype, c):
 @given(c=attn_cases())
 def test_gradients(dtype, c):
     kc.skip_if_not_covered(dtype, uses_dot=True)
+    assume(not known_failure(c, dtype))
     q, k, v = make_qkv(c, dtype)
     rec = check_gradients(
         lambda q, k, v: kp_attention.flash_attention(q, k, v, **kw(c)), q, k, v, dtype, c["seed"] + 1, **kw(c)

@@ -16,6 +16,7 @@ from kp_attention.ops import decode as decode_mod
 import kp_conformance as kc
 import kp_core
 from kp_conformance import kv_cache, randn
+from kp_conformance.references import allowed, kvcache_rows
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TIER = kc.current()
@@ -63,7 +64,27 @@ def decode_cases(draw):
         softcap=draw(st.sampled_from((0.0, 0.0, 15.0))),
         splits=draw(st.sampled_from((0, 1, 3))),
         seed=draw(st.integers(0, 2**16)),
+        family=draw(st.sampled_from(kc.ATTENTION_FAMILIES)),  # per example: no more tests
     )
+
+
+def apply_family(c, q, k_cache, bt, lens):
+    """q and the cached keys reshaped into c's value family (kc.attention_family), judged per sequence on the keys
+    each query sees; the cache is rewritten in place (its spare pages keep their values)."""
+    n, d = c["capacity"], c["d"]
+    keys = torch.cat([kvcache_rows(k_cache, b, n, bt) for b in range(c["batch"])]).double().cpu()
+    visible = torch.zeros(c["batch"], c["sq"], n, dtype=torch.bool)
+    for b, m in enumerate(lens):
+        visible[b, :, :m] = allowed(c["sq"], m, c["causal"], c["window"], "cpu")
+    g = torch.Generator().manual_seed(c["seed"] + 6)
+    q64, keys = kc.attention_family(q.double().cpu(), keys, c["family"], g, scale=1 / math.sqrt(d), visible=visible)
+    keys, j, page = keys.to(k_cache.dtype).to(DEVICE), torch.arange(n, device=DEVICE), k_cache.shape[1]
+    for b in range(c["batch"]):
+        if bt is None:
+            k_cache[b] = keys[b]
+        else:
+            k_cache[bt[b].long()[j // page], j % page] = keys[b]
+    return q64.to(dtype=q.dtype, device=DEVICE)
 
 
 def run_case(c, dtype, **extra):
@@ -71,6 +92,8 @@ def run_case(c, dtype, **extra):
     k_cache, v_cache, bt = make_cache(c["batch"], c["capacity"], c["hkv"], c["d"], dtype, c["paged"], c["seed"])
     q = rand(c["batch"], c["sq"], c["hq"], c["d"], dtype=dtype, seed=c["seed"] + 5)
     lens = [(0, 7, c["capacity"])[b % 3] for b in range(c["batch"])]
+    if c.get("family", "normal") != "normal":
+        q = apply_family(c, q, k_cache, bt, lens)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     kw = dict(block_table=bt, causal=c["causal"], window=c["window"], softcap=c["softcap"])
     with kp_core.record_launches() as rec:

@@ -68,11 +68,17 @@ ACTS = {
 FORMS = ("split", "packed")
 
 
-def make_case(form, shape, dtype, layouts, scale, seed):
-    """Inputs for one call: (gate, up) for the split form, (x,) with x [..., 2H] for the packed form."""
+def make_case(form, shape, dtype, layouts, scale, seed, family="normal"):
+    """Inputs for one call: (gate, up) for the split form, (x,) with x [..., 2H] for the packed form. family
+    (kc.GLU_FAMILIES) shapes the gate's values; up stays N(0, scale^2)."""
     if form == "packed":
-        return (kc.make_input(shape[:-1] + (2 * shape[-1],), dtype, DEVICE, layouts[0], scale=scale, seed=seed),)
-    return tuple(kc.make_input(shape, dtype, DEVICE, lay, scale=scale, seed=seed + i) for i, lay in enumerate(layouts))
+        x = kc.make_input(shape[:-1] + (2 * shape[-1],), dtype, DEVICE, layouts[0], scale=scale, seed=seed)
+        if family != "normal":
+            gate = kc.make_input(shape, dtype, DEVICE, "contiguous", scale=scale, seed=seed, family=family)
+            x[..., : shape[-1]] = gate
+        return (x,)
+    gate = kc.make_input(shape, dtype, DEVICE, layouts[0], scale=scale, seed=seed, family=family)
+    return gate, kc.make_input(shape, dtype, DEVICE, layouts[1], scale=scale, seed=seed + 1)
 
 
 def calls(act, form):
@@ -94,6 +100,7 @@ case = dict(
     layouts=st.tuples(st.sampled_from(kc.LAYOUTS), st.sampled_from(kc.LAYOUTS)),
     scale=st.sampled_from([1.0, 0.01, 30.0]),
     seed=st.integers(0, 2**16),
+    family=st.sampled_from(kc.GLU_FAMILIES),
 )
 
 
@@ -101,9 +108,9 @@ case = dict(
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @given(**case)
-def test_values(dtype, act, form, shape, layouts, scale, seed):
+def test_values(dtype, act, form, shape, layouts, scale, seed, family):
     kc.skip_if_not_covered(dtype)
-    inputs = make_case(form, shape, dtype, layouts, scale, seed)
+    inputs = make_case(form, shape, dtype, layouts, scale, seed, family)
     ours, ref64, lowp = calls(act, form)
     with kp_core.record_launches() as rec:
         y = ours(*inputs)
@@ -124,9 +131,9 @@ def grads(fn, inputs, dy):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @given(**case)
-def test_gradients(dtype, act, form, shape, layouts, scale, seed):
+def test_gradients(dtype, act, form, shape, layouts, scale, seed, family):
     kc.skip_if_not_covered(dtype)
-    inputs = make_case(form, shape, dtype, layouts, scale, seed)
+    inputs = make_case(form, shape, dtype, layouts, scale, seed, family)
     dy = kc.make_input(shape, dtype, DEVICE, layouts[-1], seed=seed + 2)
     ours, ref64, lowp = calls(act, form)
     with kp_core.record_launches() as rec:

@@ -4,7 +4,17 @@ from kp_conformance import guard
 from kp_conformance.env import arch, device, dtype_id, interpreting, not_covered_reason
 from kp_conformance.launched import assert_kernel_ran, kernel_backend, skip_if_not_covered
 from kp_conformance.spec import SPECS, Spec, declare
-from kp_conformance.strategies import FAMILIES, LAYOUTS, kv_cache, make_input, randn, row_shapes
+from kp_conformance.strategies import (
+    ATTENTION_FAMILIES,
+    FAMILIES,
+    GLU_FAMILIES,
+    LAYOUTS,
+    attention_family,
+    kv_cache,
+    make_input,
+    randn,
+    row_shapes,
+)
 from kp_conformance.tiers import TIERS, current, register_profiles
 from kp_conformance.tolerance import atol_for, check_close, check_decode
 
@@ -28,6 +38,9 @@ __all__ = [
     "kv_cache",
     "make_input",
     "FAMILIES",
+    "ATTENTION_FAMILIES",
+    "GLU_FAMILIES",
+    "attention_family",
     "randn",
     "not_covered_reason",
     "register_profiles",

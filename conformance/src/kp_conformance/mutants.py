@@ -47,6 +47,7 @@ WORDS = (tokenize.NAME, tokenize.OP)  # the tokens an operator can be: + and `an
 # The properties a kernel bug can change; opcheck, compile and bad-input tests check the op's schema, tracing and
 # argument checks (slow on the interpreter, blind to a kernel's arithmetic), so the mutant runs skip them.
 SELECT = "not opcheck and not compile and not bad_input and not reference_is_independent"
+START = time.monotonic()
 OUTCOMES = ("killed-test", "killed-crash", "killed-timeout", "equivalent", "survived", "not run")
 # Verdicts of a check: pytest.fail and "DID NOT RAISE" are Failed; GuardError is kp_conformance.guard's
 # out-of-bounds-write check.
@@ -296,8 +297,8 @@ def run(root: Path, package: str, mutants: list[Mutant], equivalent: dict, opts)
         if outcome != "passed":
             sys.exit(f"the unmutated baseline fails ({outcome}: {detail}); fix it before planting bugs")
         print(f"baseline passed in {baseline:.1f} s", flush=True)
-        timeout = 3 * baseline + 30
-        stop_at = time.monotonic() + opts.deadline if opts.deadline else None
+        timeout = min(3 * baseline + 30, opts.timeout or float("inf"))
+        stop_at = START + opts.deadline if opts.deadline else None
 
         def one(m: Mutant) -> Result:
             r = Result(m.id, m.function, m.kind, mutated_line(root / src_rel, m), detail=equivalent.get(m.id, ""))
@@ -377,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tests", nargs="+", help="spec files to run, relative to the root (default: the package's)")
     p.add_argument("--tier", default=os.environ.get("KP_TIER", "micro"))
     p.add_argument("--select", default=SELECT, help="pytest -k expression (default: the value properties)")
-    p.add_argument("--deadline", type=float, help="start no mutant after this many seconds (they count as not run)")
+    p.add_argument("--deadline", type=float, help="start no mutant this many seconds after the start (not run)")
+    p.add_argument("--timeout", type=float, help="cap on a mutant's seconds (default 3x the baseline + 30)")
     p.add_argument("--sample", type=int, help="run N mutants drawn at random (see --seed); default all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1)

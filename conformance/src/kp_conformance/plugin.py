@@ -2,7 +2,7 @@
 
 A test opts in with `@pytest.mark.conformance(kernel=..., prop=...)`; its dtype comes from a `dtype`
 parameter when it has one. Outcomes map to cells: passed -> pass, failed -> fail, skipped -> not covered
-(with the skip's reason). A skip is never counted as a pass.
+(with the skip's reason), a strict xfail (a known failure, kept as a test) -> fail. A skip is never a pass.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def pytest_runtest_makereport(item, call):
     params = getattr(getattr(item, "callspec", None), "params", {})
     dtype = str(params.get("dtype", "-")).replace("torch.", "")
     reason = ""
-    if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+    status = _STATUS[report.outcome]
+    if hasattr(report, "wasxfail"):  # a known failure (strict xfail): a fail in the matrix, not a skip
+        status, reason = "fail", f"known failure: {report.wasxfail}"
+    elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[2]).removeprefix("Skipped: ")
     elif report.outcome == "failed":
         reason = str(report.longrepr).strip().splitlines()[-1][:300] if report.longrepr else ""
@@ -44,7 +47,7 @@ def pytest_runtest_makereport(item, call):
         "kernel": marker.kwargs["kernel"],
         "property": marker.kwargs["prop"],
         "dtype": dtype,
-        "status": _STATUS[report.outcome],
+        "status": status,
         "reason": reason,
         "test": item.nodeid,
     }

@@ -95,6 +95,9 @@ def row_shapes(draw, tier: Tier) -> tuple[tuple[int, ...], tuple[int, ...]]:
 # values around 1e-6 (fp16 subnormals); "zero_rows": every third row all zeros; "mixed": rows of alternating sign
 # and scale.
 FAMILIES = ("normal", "offset", "ramp", "near_constant", "one_huge", "tiny", "zero_rows", "mixed")
+# Elementwise activations (GLU gates): "large": magnitudes 10..50 of either sign, where silu and gelu saturate and
+# a naive exp(-g) or g^3 overflows in fp16; "tiny" as above.
+GLU_FAMILIES = ("normal", "large", "tiny")
 
 
 def _family(x: torch.Tensor, family: str, g: torch.Generator) -> torch.Tensor:
@@ -114,6 +117,9 @@ def _family(x: torch.Tensor, family: str, g: torch.Generator) -> torch.Tensor:
         return x
     if family == "tiny":
         return 1e-6 * x
+    if family == "large":  # ignores the scale: the saturated range is what matters
+        sign = torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+        return sign * (10 + 40 * torch.rand(x.shape, generator=g, dtype=x.dtype))
     if family == "zero_rows":
         x = x.contiguous().clone()
         if x.dim() > 1:
@@ -122,6 +128,41 @@ def _family(x: torch.Tensor, family: str, g: torch.Generator) -> torch.Tensor:
     if family == "mixed":
         signs = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).to(x.dtype)
         return x.abs() * signs * torch.logspace(-2, 2, n, dtype=x.dtype)
+    raise ValueError(family)
+
+
+# Attention families, on float64 (B, S, H, D) q and k: where a softmax is hard. "large_range": q rescaled per head
+# so the largest |logit| its queries see (after the softmax scale, before any softcap) is 30..80; "identical_keys":
+# a head's keys all equal up to 1e-4 noise (which fp16 mostly rounds away), so the softmax is uniform and the
+# output the mean of V; "one_dominant": each query row a multiple of one key it may see, its logit 60 and the
+# others 60 cos(k_j, k_l) |k_l| / |k_j|: a margin of tens of nats (median ~30 at head dim 16, ~45 at 64; at 16 a
+# few rows have a near rival), so the running max jumps where that key's block comes.
+ATTENTION_FAMILIES = ("normal", "large_range", "identical_keys", "one_dominant")
+
+
+def attention_family(q, k, family: str, g: torch.Generator, *, scale: float, visible: torch.Tensor | None = None):
+    """(q, k), float64 (B, S, H, D) with kv heads dividing q heads, reshaped into `family`'s values. scale: the
+    softmax scale; visible: (Sq, Sk) or (B, Sq, Sk) bool, the keys each query may see (default all)."""
+    if family == "normal" or q.numel() == 0 or k.numel() == 0:
+        return q, k
+    if family == "identical_keys":
+        return q, k[:, :1] + 1e-4 * k
+    (b, sq, hq, d), sk = q.shape, k.shape[1]
+    kr = k.repeat_interleave(hq // k.shape[2], dim=2)  # each q head's keys
+    vis = torch.ones(sq, sk, dtype=torch.bool) if visible is None else visible.cpu()
+    vis = vis.expand(b, sq, sk)[:, None]  # (B, 1, Sq, Sk): the same for every head
+    if family == "large_range":
+        s = scale * torch.einsum("bqhd,bkhd->bhqk", q, kr)
+        top = s.masked_fill(~vis, 0.0).abs().amax(dim=(2, 3))  # (B, Hq)
+        want = 30 + 50 * torch.rand(b, hq, generator=g, dtype=q.dtype)
+        factor = (want / top).clamp(max=1e3)  # finite in fp16 where a head's queries see almost no logit
+        return q * factor[:, None, :, None], k
+    if family == "one_dominant":
+        # each row's key: uniform among those it sees (any, where it sees none)
+        pick = torch.rand(b, hq, sq, sk, generator=g, dtype=q.dtype).masked_fill(~vis, -1.0).argmax(-1)
+        kj = torch.gather(kr.transpose(1, 2), 2, pick[..., None].expand(-1, -1, -1, d))  # (B, Hq, Sq, D)
+        alpha = 60 / (scale * kj.pow(2).sum(-1, keepdim=True).clamp_min(1e-30))
+        return (alpha * kj).transpose(1, 2), k
     raise ValueError(family)
 
 

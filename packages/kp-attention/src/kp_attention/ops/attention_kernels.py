@@ -276,8 +276,9 @@ def _fwd_block(
     PASS: tl.constexpr,
 ):
     """One key block. PASS 0: the online softmax (FlashAttention-2), rescaling acc and l by exp2(m_old - m_new).
-    PASS 1: row statistics only (m, l). PASS 2: m_i holds the final lse and acc += exp(s - lse) @ v, the
-    normalised probabilities PyTorch's softmax-then-matmul forms (the fp32 path's two passes, see _attn_fwd)."""
+    PASS 1: row statistics only (m, l). PASS 2: m_i and l_i hold the row's final max and sum and acc +=
+    (exp(s - m) / l) @ v, the normalised probabilities PyTorch's softmax-then-matmul forms (the fp32 path's two
+    passes, see _attn_fwd; exp(s - lse) would carry lse's rounding, an ulp of a large lse, into every p)."""
     cols = start_n + offs_n
     d_ok = offs_d < HEAD_DIM
     kv_ok = cols < seqlen_k
@@ -291,7 +292,7 @@ def _fwd_block(
         )
         s2 = tl.where(ok, s2, float("-inf"))
     if PASS == 2:
-        p = _exp(s2 - m_i[:, None], IEEE)
+        p = _exp(s2 - m_i[:, None], IEEE) / l_i[:, None]
         m_new = m_i
     else:
         m_new = tl.maximum(m_i, tl.max(s2, 1))
@@ -610,8 +611,8 @@ def _attn_fwd(
         lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
         acc, l_i, m_i = _fwd_loops(
             acc,
-            l_i,
-            tl.where(empty, 0.0, lse),
+            tl.where(empty, 1.0, l_i),
+            tl.where(empty, 0.0, m_i),
             q,
             K_base,
             V_base,

@@ -304,7 +304,7 @@ def forward(
             kernels._decode_combine,
             (batch * hq * sq,),
             (o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), lse, hq, sq, splits),
-            dict(D=d, BLOCK_S=block_s, BLOCK_D=block_d_c),
+            dict(D=d, BLOCK_S=block_s, BLOCK_D=block_d_c, IEEE=q.dtype == torch.float32),
             4 if block_s * block_d_c >= 2048 else 2,
         )
     return out, lse

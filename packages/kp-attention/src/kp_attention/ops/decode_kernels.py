@@ -3,7 +3,26 @@
 import triton
 import triton.language as tl
 
+from kp_attention.ops.attention_kernels import _dot, _mm
 from kp_core.kernel_constants import LN2, LOG2E
+
+
+@triton.jit
+def _exp_units(x, IEEE: tl.constexpr):
+    """exp in the scores' units: base 2 (log2(e) folded into the scores) for fp16/bf16, natural for fp32, taken in
+    fp64 (fp32 exp on GPUs is exp2(x * log2(e)), whose rounded product costs ulps the 2x rule lacks)."""
+    if IEEE:
+        return tl.exp(x.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _log_units(x, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.log(x.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.log2(x)
 
 
 @triton.jit
@@ -57,9 +76,9 @@ def _decode_split(
     """One (batch, kv head, row block) x one split: online softmax over the split's key blocks.
     D (the head dim) is a constexpr so that D == BLOCK_D drops the head-dim masks.
 
-    Tile rows r are (q head h * GROUP + r // Sq, query r % Sq). Scores live in the log2 domain
-    (s * log2(e)) so the softmax uses exp2; lse is stored in the log2 domain for the partials, natural
-    log for the final output.
+    Tile rows r are (q head h * GROUP + r // Sq, query r % Sq). For fp16/bf16 scores live in the log2 domain
+    (s * log2(e)) so the softmax uses exp2, and lse is stored in the log2 domain for the partials, natural log
+    for the final output; fp32 (IEEE) stays in natural units throughout.
 
     Values the launcher's check would refuse (a length outside [new, capacity], a block id outside the cache;
     possible when the check is off or skipped under graph capture) read nothing out of bounds: the sequence's
@@ -116,11 +135,8 @@ def _decode_split(
         n_ok = offs_n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_head + k_rows[:, None], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * sm_scale
+        # fp32: the dot left unrounded (fp64) and scaled, then rounded once (attention_kernels._mm)
+        s = (_mm(q, tl.trans(k), IEEE) * sm_scale).to(tl.float32)
         if SOFTCAP:
             # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 when exp over/underflows. The
             # subtraction cancels for small |s| (fp32 loses ~eps / |x| relative): the fp32 path takes it in fp64.
@@ -129,7 +145,8 @@ def _decode_split(
                 s = (softcap - (2.0 * softcap) / (e + 1.0)).to(tl.float32)
             else:
                 s = softcap - (2.0 * softcap) / (tl.exp2(s * ((1.0 / softcap) * (2.0 * LOG2E))) + 1.0)
-        s = s * LOG2E
+        if not IEEE:  # fp32 inputs stay in natural units: the base change costs ulps the 2x rule lacks
+            s = s * LOG2E
         ok = n_ok[None, :]
         if HAS_RIGHT:
             ok = ok & (offs_n[None, :] <= diag[:, None] + win_right)
@@ -138,19 +155,16 @@ def _decode_split(
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        alpha = _exp_units(m_i - m_safe, IEEE)
+        p = _exp_units(s - m_safe[:, None], IEEE)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + v_rows[:, None], mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    lse2 = tl.where(seen, m_i + _log_units(tl.where(seen, l_i, 1.0), IEEE), float("-inf"))
     if n_bad > 0:
         out = tl.full([BLOCK_M, BLOCK_D], float("nan"), dtype=tl.float32)
         lse2 = tl.full([BLOCK_M], float("nan"), dtype=tl.float32)
@@ -159,7 +173,7 @@ def _decode_split(
     if ONE_SPLIT:
         o_ptrs = OUT + b64 * stride_ob + qi[:, None] * stride_os + hq64[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=q_mask)
-        tl.store(LSE + row_id, lse2 * LN2, mask=row_ok)
+        tl.store(LSE + row_id, lse2 if IEEE else lse2 * LN2, mask=row_ok)
     else:
         part = row_id * num_splits + split
         tl.store(O_PART + part[:, None] * D + offs_d[None, :], out, mask=q_mask)
@@ -181,8 +195,10 @@ def _decode_combine(
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """One output row (b, q head, query): lse = log2 sum_s 2^lse_s, out = sum_s 2^(lse_s - lse) out_s."""
+    """One output row (b, q head, query): lse = log2 sum_s 2^lse_s, out = sum_s 2^(lse_s - lse) out_s (natural
+    log and exp for fp32 inputs, IEEE, whose partials are in natural units)."""
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * Sq + i
     qi = row % Sq
     hq = (row // Sq) % Hq
@@ -200,7 +216,7 @@ def _decode_combine(
     denom = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
     for s0 in range(0, num_splits, BLOCK_S):
         s_ok = s0 + offs_s < num_splits
-        w = tl.exp2(tl.load(lse_row + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_safe)
+        w = _exp_units(tl.load(lse_row + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_safe, IEEE)
         parts = (row * num_splits + s0 + offs_s)[:, None] * D + offs_d[None, :]
         o = tl.load(O_PART + parts, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
@@ -208,7 +224,8 @@ def _decode_combine(
     out = acc / tl.where(denom > 0.0, denom, 1.0)
     tl.store(OUT + b * stride_ob + qi * stride_os + hq * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
     # denom is 0 for a row that sees no key (lse -inf) and NaN for a split that flagged bad input (lse NaN).
-    lse_out = tl.where(denom == 0.0, float("-inf"), (m_safe + tl.log2(tl.where(denom > 0.0, denom, 1.0))) * LN2)
+    lse_units = m_safe + _log_units(tl.where(denom > 0.0, denom, 1.0), IEEE)
+    lse_out = tl.where(denom == 0.0, float("-inf"), lse_units if IEEE else lse_units * LN2)
     lse_out = tl.where(denom == denom, lse_out, float("nan"))
     tl.store(LSE + row, lse_out)
 
