@@ -275,6 +275,26 @@ def test_fully_masked_rows_are_zero(dtype):
     assert torch.equal(q.grad[:, dead], torch.zeros_like(q.grad[:, dead]))
 
 
+@pytest.mark.conformance(kernel="scaled_dot_product_attention", prop="fully_masked_rows")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_rows_a_boolean_mask_hides_are_zero(dtype):
+    """A boolean mask that hides every key from some rows: those rows are 0 (FlashAttention's convention; torch's
+    math path gives NaN), no NaN elsewhere, also where the hiding happens in key blocks no causal or window
+    bound touches (the kernels' unmasked interior blocks)."""
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, s, 32, generator=g).to(dtype=dtype, device=DEVICE) for s in (40, 70, 70))
+    mask = torch.ones(40, 70, dtype=torch.bool, device=DEVICE)
+    mask[:5] = False
+    with kp_core.record_launches() as rec:
+        out = kp_attention.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    kc.assert_kernel_ran(rec, FWD)
+    assert torch.equal(out[:, :, :5], torch.zeros_like(out[:, :, :5])) and not torch.isnan(out).any()
+    ref, _ = attention64(q[:, :, 5:].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    low = attention_lowp(q[:, :, 5:].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    kc.check_close("visible rows", out[:, :, 5:].transpose(1, 2), ref, low, dtype)
+
+
 @pytest.mark.conformance(kernel="flash_attention_varlen", prop="varlen")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_varlen_matches_per_sequence(dtype):

@@ -42,7 +42,10 @@ def pytest_runtest_makereport(item, call):
     elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[2]).removeprefix("Skipped: ")
     elif report.outcome == "failed":
-        reason = str(report.longrepr).strip().splitlines()[-1][:300] if report.longrepr else ""
+        text = str(report.longrepr).strip() if report.longrepr else ""
+        # the assertion's own message (error, bound) rather than the traceback's last line
+        asserted = [ln.lstrip("E ").strip() for ln in text.splitlines() if ln.startswith("E ") and "Error:" in ln]
+        reason = (asserted[0] if asserted else text.splitlines()[-1] if text else "")[:300]
     cell = {
         "kernel": marker.kwargs["kernel"],
         "property": marker.kwargs["prop"],
