@@ -30,8 +30,7 @@ def _sum_unmasked(X, Y, n, BLOCK: tl.constexpr):
 
 
 def _launch(kernel, args, **consts):
-    backend = kp_core.INTERPRET if kp_conformance.interpreting() else kp_core.TRITON
-    kp_core.launch("guard_test", backend, kernel, (1,), args, consts)
+    kp_core.launch("guard_test", kp_conformance.kernel_backend(), kernel, (1,), args, consts)
 
 
 def _copy_launch(x, y, shift=0):
