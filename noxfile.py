@@ -5,6 +5,7 @@
     nox -s bench             benchmarks against the anchors (needs a GPU)
     nox -s conformance-report
     nox -s mutants           planted bugs in one package's kernels: do its specs catch them? (-- --package P)
+    nox -s memcheck          the specs under compute-sanitizer's memcheck (a CUDA machine)
 
 On a machine without a package registry (the GPU box) run `nox --no-venv -s conformance`: sessions then use
 the current interpreter's packages and put packages/*/src on PYTHONPATH instead of installing.
@@ -126,6 +127,20 @@ def mutants(session: nox.Session) -> None:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "conformance" / "src"), os.environ.get("PYTHONPATH", "")])
     # Each mutant runs on its own copy of packages/ and conformance/, with their src folders on PYTHONPATH.
     session.run("python", "-m", "kp_conformance.mutants", "--root", str(ROOT), *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
+def memcheck(session: nox.Session) -> None:
+    """The specs under compute-sanitizer's memcheck (a CUDA machine with the toolkit; see docs/conformance.md).
+
+    nox --no-venv -s memcheck -- --tier micro --jobs 16
+    """
+    _install_torch(session)
+    if _installing(session):
+        session.install(*TEST_DEPS)
+        session.install("--no-deps", str(ROOT / "conformance"))
+    env = _install_packages(session, *PACKAGES)
+    session.run("python", "-m", "kp_conformance.memcheck", "--root", str(ROOT), *session.posargs, env=env)
 
 
 @nox.session(name="conformance-report", python="3.11")

@@ -15,7 +15,7 @@ import kp_attention
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from kp_attention.ops import attention as attention_mod
 
@@ -142,28 +142,19 @@ def check_gradients(fn, q, k, v, dtype, seed, **options):
     return rec
 
 
-# Known failure of the fp32 backward: it rebuilds P as exp(s - lse) from the fp32 lse the forward returns, which
-# carries lse's rounding (an ulp of lse: 1.9e-6 at 20, 7.6e-6 at 80) into every probability, where PyTorch's
-# exp(s - max) / sum is exact for the top key. A row whose top key dominates at a large lse (the large_range and
-# one_dominant families) is then outside the 2x rule (softcap 20, sq 1, sk 2, d 16: dv 9.4e-7 > bound 4.0e-7).
-# (The fp32 forward had the same flaw and now normalises by the row's max and sum.) The fix keeps the row max
-# and sum, or an fp64 lse, for the fp32 backward. Drawn gradient cases leave fp32 with these two families out;
-# test_known_fp32_backward_dominant_key keeps the failing case as a strict xfail, a fail in the matrix until fixed.
-KNOWN_FP32_BACKWARD = "fp32 backward, one dominant key at a large lse: P = exp(s - lse) with an fp32 lse"
-
-
-def known_failure(c, dtype) -> bool:
-    return dtype == torch.float32 and c["family"] in ("large_range", "one_dominant")
-
-
-@pytest.mark.conformance(kernel="flash_attention", prop="gradients, fp32 dominant key (known failure)")
-@pytest.mark.xfail(strict=True, reason=KNOWN_FP32_BACKWARD)
-def test_known_fp32_backward_dominant_key():
+# The fp32 backward once rebuilt P as exp(s - lse) from the fp32 lse the forward returns, which carries lse's
+# rounding (an ulp of lse: 1.9e-6 at 20, 7.6e-6 at 80) into every probability, where PyTorch's exp(s - max) / sum
+# is exact for the top key: a row whose top key dominates at a large lse (the large_range and one_dominant
+# families) missed the rule (this case: dv 9.4e-7 > bound 4.0e-7). The dQ kernel now corrects the lse in fp64 by
+# log(sum_j P_ij); this case stays as its regression test in every tier.
+@pytest.mark.conformance(kernel="flash_attention", prop="gradients, fp32 dominant key")
+def test_fp32_backward_dominant_key():
     c = dict(b=1, sq=1, sk=2, hq=1, hkv=1, d=16, causal=False, window=(-1, -1), softcap=20.0, scale=None)
     c.update(layout="contiguous", seed=2, family="one_dominant")
     q, k, v = make_qkv(c, torch.float32)
     fn = lambda q, k, v: kp_attention.flash_attention(q, k, v, **kw(c))  # noqa: E731
-    check_gradients(fn, q, k, v, torch.float32, c["seed"] + 1, **kw(c))
+    rec = check_gradients(fn, q, k, v, torch.float32, c["seed"] + 1, **kw(c))
+    kc.assert_kernel_ran(rec, FWD, BWD)
 
 
 @pytest.mark.conformance(kernel="flash_attention", prop="values")
@@ -185,7 +176,6 @@ def test_values(dtype, c):
 @given(c=attn_cases())
 def test_gradients(dtype, c):
     kc.skip_if_not_covered(dtype, uses_dot=True)
-    assume(not known_failure(c, dtype))
     q, k, v = make_qkv(c, dtype)
     rec = check_gradients(
         lambda q, k, v: kp_attention.flash_attention(q, k, v, **kw(c)), q, k, v, dtype, c["seed"] + 1, **kw(c)

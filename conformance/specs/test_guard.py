@@ -1,6 +1,8 @@
 """The guard itself (kp_conformance.guard): planted stray writes, gap writes, stray reads and input writes are
 caught on this device, and a correct launch's results reach the caller's tensors."""
 
+import os
+
 import pytest
 import torch
 import triton
@@ -68,12 +70,36 @@ def test_a_write_into_a_gap_of_a_strided_view_is_caught():
     assert not wide.any(), "a caught launch must not copy its stray bytes back"
 
 
+@triton.jit
+def _copy_reading_past(X, Y, n, BLOCK: tl.constexpr):
+    """Y[:n] = X[:n], loading all BLOCK lanes: the stray lanes never reach Y (the store is masked)."""
+    i = tl.arange(0, BLOCK)
+    tl.store(Y + i, tl.load(X + i), mask=i < n)
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @pytest.mark.conformance(kernel="guard", prop="catches_stray_reads")
-def test_a_read_past_the_end_reads_the_canary():
+def test_a_read_past_the_end_is_caught():
     x = torch.ones(40, dtype=torch.float32, device=kp_conformance.device())
     y = torch.zeros(1, device=x.device)
-    _launch(_sum_unmasked, (x, y, 40), BLOCK=64)
-    assert torch.isnan(y).all(), f"the stray read summed real memory: {y}"
+    if INTERPRETED:  # each load is checked as it runs
+        with pytest.raises(GuardError, match=r"kernel _sum_unmasked: read 24 element\(s\) outside argument 'X'.*after"):
+            _launch(_sum_unmasked, (x, y, 40), BLOCK=64)
+    else:  # the GPU's loads are not seen: the canary (NaN) they read poisons the output
+        _launch(_sum_unmasked, (x, y, 40), BLOCK=64)
+        assert torch.isnan(y).all(), f"the stray read summed real memory: {y}"
+
+
+@pytest.mark.conformance(kernel="guard", prop="catches_discarded_stray_reads")
+def test_a_stray_read_that_reaches_no_output_is_caught():
+    if not INTERPRETED:
+        pytest.skip("not covered on GPU: loads are checked under the interpreter; kp_conformance.memcheck covers them")
+    x = torch.ones(40, dtype=torch.float32, device=kp_conformance.device())
+    y = torch.zeros_like(x)
+    with pytest.raises(GuardError, match=r"kernel _copy_reading_past: read 24 element\(s\) outside argument 'X'"):
+        _launch(_copy_reading_past, (x, y, 40), BLOCK=64)
 
 
 @pytest.mark.conformance(kernel="guard", prop="catches_input_writes")

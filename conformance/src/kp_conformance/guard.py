@@ -89,6 +89,26 @@ class _Group:
         offset = self.pad + t.storage_offset() * es - self.lo
         return self.buffer.view(t.dtype).as_strided(t.shape, t.stride(), offset // es)
 
+    def describe(self, at: int, names: list[str]) -> str:
+        """The argument nearest to byte `at` of the buffer, and where `at` lies relative to its elements."""
+        byte = at - self.pad + self.lo  # in the original storage
+        i, t = min(self.views, key=lambda v: _distance(byte, _span(v[1])))
+        es = t.element_size()
+        lo, hi = _span(t)
+        side = "before" if byte < lo else "after" if byte >= hi else "in a gap of"
+        return (
+            f"{names[i]!r} (shape {tuple(t.shape)}, stride {t.stride()}, {t.dtype}); first at element offset "
+            f"{(byte - t.storage_offset() * es) / es:+g} from its start, {side} its elements"
+        )
+
+    def readable(self, offsets):
+        """Which byte offsets into the buffer (numpy int64) are bytes of the views."""
+        inside = (offsets >= self.pad) & (offsets < self.pad + len(self.inner))
+        if self.allowed is not None:
+            allowed = self.allowed.cpu().numpy()
+            inside[inside] = allowed[offsets[inside] - self.pad]
+        return inside
+
     def check_and_copy_back(self, where: str, names: list[str]) -> None:
         stray = self.buffer != CANARY
         if self.allowed is None:
@@ -96,17 +116,8 @@ class _Group:
         else:
             stray[self.pad : self.pad + len(self.inner)] &= ~self.allowed
         if bool(stray.any()):
-            byte = int(stray.nonzero()[0, 0]) - self.pad + self.lo  # in the original storage
-            i, t = min(self.views, key=lambda v: _distance(byte, _span(v[1])))
-            es = t.element_size()
-            rel = byte - t.storage_offset() * es
-            lo, hi = _span(t)
-            side = "before" if byte < lo else "after" if byte >= hi else "in a gap of"
-            raise GuardError(
-                f"{where}: wrote {int(stray.sum())} byte(s) outside argument {names[i]!r} "
-                f"(shape {tuple(t.shape)}, stride {t.stride()}, {t.dtype}); first at element offset "
-                f"{rel / es:+g} from its start, {side} its elements"
-            )
+            where_ = self.describe(int(stray.nonzero()[0, 0]), names)
+            raise GuardError(f"{where}: wrote {int(stray.sum())} byte(s) outside argument {where_}")
         if self.allowed is None:
             self.original.copy_(self.inner)
         else:
@@ -136,8 +147,17 @@ class Guard:
             for g in guarded:
                 for i, t in g.views:
                     new[i] = g.rehomed(t)
-            go(tuple(new))
             names = _arg_names(kernel, len(args))
+            global _READS
+            _READS = (f"{op}: kernel {_kernel_name(kernel)}", guarded, names)
+            try:
+                go(tuple(new))
+            except Exception as e:  # the interpreter wraps what a load check raised
+                if isinstance(e.__cause__, GuardError):
+                    raise e.__cause__ from None
+                raise
+            finally:
+                _READS = None
             for g in guarded:
                 g.check_and_copy_back(f"{op}: kernel {_kernel_name(kernel)}", names)
 
@@ -186,9 +206,53 @@ def _arg_names(fn, n: int) -> list[str]:
     return (names + [f"#{i}" for i in range(len(names), n)])[:n] if n else names
 
 
+# Under Triton's interpreter, loads are checked as they happen: the launch in flight (what, groups, names).
+_READS = None
+
+
+def _check_reads(ptrs, mask) -> None:
+    """Every active lane of an interpreted load must read bytes of the launch's tensor arguments: a stray read
+    that never reaches an output (a dropped load mask whose lanes the store masks off) changes no value, so only
+    this sees it. On a GPU, compute-sanitizer's memcheck is the counterpart (kp_conformance.memcheck)."""
+    import numpy as np
+
+    what, groups, names = _READS
+    addr = np.broadcast_to(ptrs, mask.shape)[mask].astype(np.int64)
+    if addr.size == 0:
+        return
+    ok = np.zeros(addr.shape, dtype=bool)
+    for g in groups:
+        off = addr - g.buffer.data_ptr()
+        near = (off >= 0) & (off < g.buffer.numel())
+        ok[near] = g.readable(off[near])
+        bad = near & ~ok
+        if bad.any():
+            raise GuardError(
+                f"{what}: read {int(bad.sum())} element(s) outside argument {g.describe(int(off[bad][0]), names)}"
+            )
+    if not ok.all():
+        raise GuardError(f"{what}: read {int((~ok).sum())} element(s) outside every tensor argument")
+
+
+def _patch_interpreter() -> None:
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    load = builder.create_masked_load
+
+    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        if _READS is not None:
+            _check_reads(ptrs.data, mask.data)
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    builder.create_masked_load = create_masked_load
+
+
 def install() -> None:
-    """Install the guard unless KP_GUARD=0."""
+    """Install the guard unless KP_GUARD=0 (and, under Triton's interpreter, the read check)."""
     if os.environ.get("KP_GUARD", "1") != "0":
         import kp_core
 
         kp_core.set_guard(Guard())
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            _patch_interpreter()

@@ -382,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, help="cap on a mutant's seconds (default 3x the baseline + 30)")
     p.add_argument("--sample", type=int, help="run N mutants drawn at random (see --seed); default all")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="+", metavar="ID", help="run just these mutant IDs (e.g. a report's survivors)")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--list", action="store_true", help="list the mutants and the count per kind; run nothing")
     p.add_argument("--out", type=Path, help="markdown report (this package's section is replaced)")
@@ -400,7 +401,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(mutants)} mutants: " + ", ".join(f"{k} {sum(m.kind == k for m in mutants)}" for k in kinds))
         return
     chosen = mutants
-    if opts.sample is not None and opts.sample < len(mutants):
+    if opts.only:
+        unknown = set(opts.only) - {m.id for m in mutants}
+        if unknown:
+            p.error(f"no such mutant: {', '.join(sorted(unknown))} (see --list)")
+        chosen = [m for m in mutants if m.id in opts.only]
+    elif opts.sample is not None and opts.sample < len(mutants):
         picked = set(random.Random(opts.seed).sample(range(len(mutants)), opts.sample))
         chosen = [m for i, m in enumerate(mutants) if i in picked]
     t0 = time.monotonic()

@@ -22,9 +22,12 @@ def rms64(x, w, eps, offset=0.0):
 
 
 def layer64(x, w, b, eps):
-    """LayerNorm (Ba et al. 2016; torch.nn.LayerNorm), biased variance."""
-    mu = x.mean(-1, keepdim=True)
-    y = (x - mu) / torch.sqrt((x - mu).pow(2).mean(-1, keepdim=True) + eps)
+    """LayerNorm (Ba et al. 2016; torch.nn.LayerNorm), biased variance. The centred row is x - mu less its own
+    mean: with a large common offset, mu's rounding (half an fp64 ulp of the offset) would otherwise move every
+    centred value, an error of the truth itself that float64 inputs would be judged against."""
+    d = x - x.mean(-1, keepdim=True)
+    xc = d - d.mean(-1, keepdim=True)
+    y = xc / torch.sqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
     y = y if w is None else y * w
     return y if b is None else y + b
 

@@ -28,10 +28,14 @@ def check_close(what: str, ours: torch.Tensor, ref64: torch.Tensor, lowp: torch.
     err_lowp = (lowp64 - ref64).abs().max().item()
     atol = atol_for(dtype, ref64)
     bound = 2 * err_lowp + atol
-    assert err.max().item() <= bound, (
-        f"{what} ({dtype}): max err {err.max().item():.3e} (mean {err.mean().item():.3e}) > bound {bound:.3e} "
-        f"= 2 * torch err {err_lowp:.3e} + atol {atol:.3e}"
-    )
+    if err.max().item() > bound:
+        i = int(err.argmax())
+        at = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), err.shape)) if err.dim() else ()
+        raise AssertionError(
+            f"{what} ({dtype}): max err {err.max().item():.3e} (mean {err.mean().item():.3e}) > bound {bound:.3e} "
+            f"= 2 * torch err {err_lowp:.3e} + atol {atol:.3e}; worst at {at}: ours {ours64.flatten()[i].item():.9g}, "
+            f"float64 {ref64.flatten()[i].item():.9g}, torch {lowp64.flatten()[i].item():.9g}"
+        )
 
 
 def check_decode(what: str, out, lse, q, k_cache, v_cache, lens, dtype, **kw) -> None:

@@ -310,6 +310,8 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
     ieee = q.dtype == torch.float32
     # the fp32 path's delta is subtracted from fp64 dP (attention_kernels._dq_block): kept in fp64
     delta = torch.empty_like(lse, dtype=torch.float64 if ieee else torch.float32)
+    # and its lse, corrected by _attn_bwd_dq so each row's P sums to 1 (the dK/dV kernel reads that one)
+    lse_fix = torch.empty_like(lse, dtype=torch.float64) if ieee else lse
     lse_strides = _lse_strides(lse, varlen)
     cu_qa, cu_ka = (cu_q, cu_k) if varlen else (lse, lse)
     block_d = _block_d(d)
@@ -357,7 +359,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
                 k,
                 v,
                 dout,
-                lse,
+                lse_fix,
                 delta,
                 m,
                 dk,
@@ -390,6 +392,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
                 dout,
                 lse,
                 delta,
+                lse_fix,
                 m,
                 dq,
                 cu_qa,

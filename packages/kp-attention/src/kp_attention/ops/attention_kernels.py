@@ -1302,6 +1302,7 @@ def _attn_bwd_dq(
     DO,
     LSE,
     DELTA,
+    LSE_FIX,
     MASK,
     DQ,
     CU_Q,
@@ -1395,6 +1396,7 @@ def _attn_bwd_dq(
     # fp32 path: delta = sum_j P_ij dP_ij / sum_j P_ij (minus dlse, already in DELTA, fp64 there), for this kernel
     # and _attn_bwd_dkdv
     if IEEE:
+        lse2 = lse2.to(tl.float64)
         dq, dsum, psum = _dq_loops(
             dq,
             dsum,
@@ -1439,6 +1441,11 @@ def _attn_bwd_dq(
         )
         delta = delta + tl.where(psum > 0, dsum / tl.where(psum > 0, psum, 1.0), 0.0)
         tl.store(DELTA + row, delta, mask=row_ok)
+        # The fp32 lse is only good to half an ulp (1e-6 at lse 20), and a row whose top key dominates takes that
+        # whole error into P = exp(s - lse), beyond the 2x rule in dV. lse + log(sum_j P_ij), in fp64, makes the
+        # row sum to 1 in pass 2 and in _attn_bwd_dkdv (which reads it from LSE_FIX).
+        lse2 = lse2 + tl.log(tl.where(psum > 0, psum, 1.0))
+        tl.store(LSE_FIX + row, lse2, mask=row_ok)
     dq, dsum, psum = _dq_loops(
         dq,
         dsum,

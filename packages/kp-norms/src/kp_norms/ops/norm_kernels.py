@@ -125,8 +125,13 @@ def _norm_fwd(
     if RMS:
         xc = x
     else:
+        # Two steps (corrected two-pass): the sum's rounding, ulps of a large common offset, would shift every
+        # centred value alike; the residuals' own mean takes it back out.
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
+        shift = tl.sum(xc, axis=1) / N
+        xc = tl.where(mask, xc - shift[:, None], 0.0)
+        mean = mean + shift
         if STATS:
             tl.store(MEAN + rows, mean, mask=row_ok)
     rstd = _inv_rms(tl.sum(xc * xc, axis=1), N, eps_hi, eps_lo, ACC)
@@ -194,6 +199,9 @@ def _norm_fwd_looped(
             k = tl.sum(ok.to(ACC), axis=0)
             c_mean = tl.sum(x, axis=0) / k
             c_dev = tl.where(ok, x - c_mean, 0.0)
+            c_shift = tl.sum(c_dev, axis=0) / k  # the chunk's mean in two steps, as in _norm_fwd
+            c_dev = tl.where(ok, c_dev - c_shift, 0.0)
+            c_mean = c_mean + c_shift
             total = count + k
             delta = c_mean - mean
             mean = mean + delta * (k / total)

@@ -1,0 +1,105 @@
+"""The specs under compute-sanitizer's memcheck, on a CUDA machine: every out-of-bounds or misaligned access of
+every kernel a spec launches, reads included (the canary guard sees writes only).
+
+    python -m kp_conformance.memcheck                       # every spec, micro tier
+    python -m kp_conformance.memcheck --tier small --specs norm glu --jobs 8
+
+Each spec runs as one pytest process per dtype (plus one for its dtype-free tests), in parallel: memcheck does
+not follow pytest-xdist's workers. The processes run with KP_MEMCHECK=1 (the conftest then turns the canary
+guard off and keeps PyTorch's reference SDPA off cuDNN, see specs/conftest.py) and without PyTorch's caching
+allocator, so each tensor is its own allocation and an access past it is an error memcheck reports. Exit status 1
+when any process reports an error or a failed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SPECS = {  # spec -> dtype ids its tests are parametrised over
+    "norm": ("float32", "float16", "bfloat16", "float64"),
+    "glu": ("float32", "float16", "bfloat16", "float64"),
+    "attention": ("float16", "bfloat16", "float32"),
+    "decode": ("float16", "bfloat16", "float32"),
+    "registry": (),
+}
+ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")
+
+
+def _selections(dtypes) -> list[tuple[str, str]]:
+    """(label, -k expression): one per dtype, then the tests no dtype names ("float16" is inside "bfloat16")."""
+    sel = [(d, f"{d} and not bfloat16" if d == "float16" else d) for d in dtypes]
+    if dtypes:
+        sel.append(("other", " and ".join(f"not {d}" for d in ("float16", "float32", "float64"))))
+    else:
+        sel.append(("all", ""))
+    return sel
+
+
+def _run(root: Path, spec: str, label: str, expr: str, tier: str, timeout: int, logs: Path) -> dict:
+    env = dict(os.environ, KP_MEMCHECK="1", KP_GUARD="0", PYTORCH_NO_CUDA_MEMORY_CACHING="1", KP_TIER=tier)
+    env["KP_REPORT_DIR"] = str(logs / f"report-{spec}-{label}")
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--leak-check", "no", "--report-api-errors", "no"]
+    cmd += ["--print-limit", "20", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    cmd += ["--rootdir", str(root), str(root / f"conformance/specs/test_{spec}.py"), "-W", "ignore"]
+    cmd += ["-k", expr] if expr else []
+    log = logs / f"{spec}-{label}.log"
+    start = time.monotonic()
+    try:
+        with open(log, "w") as f:
+            rc = subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    text = log.read_text(errors="replace")
+    errors = sum(int(n) for n in ERRORS.findall(text))
+    tests = re.findall(r"^(\d+ passed.*?) in [\d.]+s", text, re.M)
+    # pytest 5 = nothing selected (a spec whose tests all name a dtype)
+    ok = errors == 0 and rc in (0, 5)
+    return dict(
+        spec=spec,
+        sel=label,
+        rc=rc,
+        errors=errors,
+        tests=tests[-1] if tests else "-",
+        ok=ok,
+        seconds=round(time.monotonic() - start),
+        log=str(log),
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, default=Path.cwd())
+    ap.add_argument("--specs", nargs="+", default=list(SPECS), choices=list(SPECS))
+    ap.add_argument("--tier", default="micro")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
+    ap.add_argument("--logs", type=Path, default=Path("memcheck-logs"))
+    args = ap.parse_args(argv)
+    if shutil.which("compute-sanitizer") is None:
+        print("compute-sanitizer not on PATH (it ships with the CUDA toolkit, e.g. /usr/local/cuda/bin)")
+        return 2
+    args.logs.mkdir(parents=True, exist_ok=True)
+    jobs = [(s, label, expr) for s in args.specs for label, expr in _selections(SPECS[s])]
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(_run, args.root, *j, args.tier, args.timeout, args.logs) for j in jobs]
+        results = [f.result() for f in futures]
+    print(f"memcheck, tier {args.tier}:")
+    print("| spec | tests | memcheck errors | exit | seconds |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['spec']} [{r['sel']}] | {r['tests']} | {r['errors']} | {r['rc']} | {r['seconds']} |")
+    bad = [r for r in results if not r["ok"]]
+    for r in bad:
+        print(f"not clean: {r['spec']} [{r['sel']}], see {r['log']}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
