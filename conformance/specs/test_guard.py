@@ -1,8 +1,6 @@
 """The guard itself (kp_conformance.guard): planted stray writes, gap writes, stray reads and input writes are
 caught on this device, and a correct launch's results reach the caller's tensors."""
 
-import os
-
 import pytest
 import torch
 import triton
@@ -77,14 +75,11 @@ def _copy_reading_past(X, Y, n, BLOCK: tl.constexpr):
     tl.store(Y + i, tl.load(X + i), mask=i < n)
 
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @pytest.mark.conformance(kernel="guard", prop="catches_stray_reads")
 def test_a_read_past_the_end_is_caught():
     x = torch.ones(40, dtype=torch.float32, device=kp_conformance.device())
     y = torch.zeros(1, device=x.device)
-    if INTERPRETED:  # each load is checked as it runs
+    if kp_conformance.interpreting():  # each load is checked as it runs
         with pytest.raises(GuardError, match=r"kernel _sum_unmasked: read 24 element\(s\) outside argument 'X'.*after"):
             _launch(_sum_unmasked, (x, y, 40), BLOCK=64)
     else:  # the GPU's loads are not seen: the canary (NaN) they read poisons the output
@@ -94,7 +89,7 @@ def test_a_read_past_the_end_is_caught():
 
 @pytest.mark.conformance(kernel="guard", prop="catches_discarded_stray_reads")
 def test_a_stray_read_that_reaches_no_output_is_caught():
-    if not INTERPRETED:
+    if not kp_conformance.interpreting():
         pytest.skip("not covered on GPU: loads are checked under the interpreter; kp_conformance.memcheck covers them")
     x = torch.ones(40, dtype=torch.float32, device=kp_conformance.device())
     y = torch.zeros_like(x)

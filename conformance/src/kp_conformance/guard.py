@@ -21,6 +21,7 @@ import os
 import torch
 
 from kp_conformance import census
+from kp_conformance.env import interpreting
 
 CANARY = 0xFF
 PAD = 4096  # bytes on each side: past a row of any tier, so a stray store lands in the canary, not elsewhere
@@ -148,8 +149,9 @@ class Guard:
                 for i, t in g.views:
                     new[i] = g.rehomed(t)
             names = _arg_names(kernel, len(args))
+            what = f"{op}: kernel {_kernel_name(kernel)}"
             global _READS
-            _READS = (f"{op}: kernel {_kernel_name(kernel)}", guarded, names)
+            _READS = (what, guarded, names)
             try:
                 go(tuple(new))
             except Exception as e:  # the interpreter wraps what a load check raised
@@ -159,7 +161,7 @@ class Guard:
             finally:
                 _READS = None
             for g in guarded:
-                g.check_and_copy_back(f"{op}: kernel {_kernel_name(kernel)}", names)
+                g.check_and_copy_back(what, names)
 
     def call(self, name, fn, args, mutated):
         with torch.no_grad():
@@ -254,5 +256,5 @@ def install() -> None:
         import kp_core
 
         kp_core.set_guard(Guard())
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if interpreting():
             _patch_interpreter()
