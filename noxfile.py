@@ -134,6 +134,7 @@ def memcheck(session: nox.Session) -> None:
     """The specs under compute-sanitizer's memcheck (a CUDA machine with the toolkit; see docs/conformance.md).
 
     nox --no-venv -s memcheck -- --tier micro --jobs 16
+    nox --no-venv -s memcheck -- --tier small --specs norm --shards 4 --jobs 20
     """
     _install_torch(session)
     if _installing(session):

@@ -3,12 +3,17 @@ every kernel a spec launches, reads included (the canary guard sees writes only)
 
     python -m kp_conformance.memcheck                       # every spec, micro tier
     python -m kp_conformance.memcheck --tier small --specs norm glu --jobs 8
+    python -m kp_conformance.memcheck --tier small --specs norm --shards 4 --only 0 1   # half of norm's shards
 
 Each spec runs as one pytest process per dtype (plus one for its dtype-free tests), in parallel: memcheck does
-not follow pytest-xdist's workers. The processes run with KP_MEMCHECK=1 (the conftest then turns the canary
-guard off and keeps PyTorch's reference SDPA off cuDNN, see specs/conftest.py) and without PyTorch's caching
-allocator, so each tensor is its own allocation and an access past it is an error memcheck reports. Exit status 1
-when any process reports an error or a failed test.
+not follow pytest-xdist's workers. `--shards N` splits each of those selections into N processes by test id
+(round robin over the collected ids), and `--only` runs some shard numbers, so a long tier can be spread over
+several calls of a machine with a per-call time limit.
+
+The processes run with KP_MEMCHECK=1 (the conftest then turns the canary guard off and keeps PyTorch's reference
+SDPA off cuDNN, see specs/conftest.py) and without PyTorch's caching allocator, so each tensor is its own
+allocation and an access past it is an error memcheck reports. Exit status 1 when any process reports an error
+or a failed test.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import concurrent.futures
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -43,23 +49,47 @@ def _selections(dtypes) -> list[tuple[str, str]]:
     return sel
 
 
-def _run(root: Path, spec: str, label: str, expr: str, tier: str, timeout: int, logs: Path) -> dict:
+def _ids(root: Path, selection: list[str], env: dict) -> list[str]:
+    """The test ids a selection collects (no sanitizer needed to collect)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        "--collect-only",
+        "-q",
+        *selection,
+    ]
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    # pytest prints ids relative to the directory of the ini file it found, so name the file ourselves
+    return [f"{selection[0]}::{line.split('::', 1)[1]}" for line in out.stdout.splitlines() if "::" in line]
+
+
+def _run(root: Path, spec: str, label: str, args: list[str], tier: str, timeout: int, logs: Path) -> dict:
     env = dict(os.environ, KP_MEMCHECK="1", KP_GUARD="0", PYTORCH_NO_CUDA_MEMORY_CACHING="1", KP_TIER=tier)
     env["KP_REPORT_DIR"] = str(logs / f"report-{spec}-{label}")
     cmd = ["compute-sanitizer", "--tool", "memcheck", "--leak-check", "no", "--report-api-errors", "no"]
-    cmd += ["--print-limit", "20", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    cmd += ["--rootdir", str(root), str(root / f"conformance/specs/test_{spec}.py"), "-W", "ignore"]
-    cmd += ["-k", expr] if expr else []
+    cmd += ["--print-limit", "20", sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    cmd += ["--rootdir", str(root), "-W", "ignore", *args]  # paths and ids relative to root, the working directory
     log = logs / f"{spec}-{label}.log"
     start = time.monotonic()
-    try:
-        with open(log, "w") as f:
-            rc = subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
+    with open(log, "w") as f:
+        # its own process group: on a timeout the sanitizer and the pytest under it both go
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
     text = log.read_text(errors="replace")
     errors = sum(int(n) for n in ERRORS.findall(text))
-    tests = re.findall(r"^(\d+ passed.*?) in [\d.]+s", text, re.M)
+    tests = re.findall(r"^=+ (\d+ (?:passed|failed|skipped|error).*?) in [\d.]+s", text, re.M)
+    if rc == "timeout":  # what finished before the limit, so the rest can be rerun by id
+        tests = [f"{len(re.findall(r' PASSED', text))} passed before the timeout"]
     # pytest 5 = nothing selected (a spec whose tests all name a dtype)
     ok = errors == 0 and rc in (0, 5)
     return dict(
@@ -82,12 +112,24 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     ap.add_argument("--logs", type=Path, default=Path("memcheck-logs"))
+    ap.add_argument("--shards", type=int, default=1, help="processes per spec and dtype")
+    ap.add_argument("--only", type=int, nargs="+", help="run these shard numbers (0 .. shards-1)")
     args = ap.parse_args(argv)
     if shutil.which("compute-sanitizer") is None:
         print("compute-sanitizer not on PATH (it ships with the CUDA toolkit, e.g. /usr/local/cuda/bin)")
         return 2
     args.logs.mkdir(parents=True, exist_ok=True)
-    jobs = [(s, label, expr) for s in args.specs for label, expr in _selections(SPECS[s])]
+    jobs = []
+    for spec in args.specs:
+        for label, expr in _selections(SPECS[spec]):
+            selection = [f"conformance/specs/test_{spec}.py"] + (["-k", expr] if expr else [])
+            if args.shards == 1:
+                jobs.append((spec, label, selection))
+                continue
+            ids = _ids(args.root, selection, dict(os.environ, KP_TIER=args.tier))
+            for n in args.only if args.only is not None else range(args.shards):
+                if ids[n :: args.shards]:
+                    jobs.append((spec, f"{label}.{n}", ids[n :: args.shards]))
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(_run, args.root, *j, args.tier, args.timeout, args.logs) for j in jobs]
         results = [f.result() for f in futures]
