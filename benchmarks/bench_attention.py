@@ -16,10 +16,10 @@ import itertools
 import math
 
 import harness
-import kp_attention
 import torch
 import torch.nn.functional as F
 
+import kp_attention
 import kp_core
 
 DTYPE = torch.bfloat16

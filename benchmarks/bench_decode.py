@@ -16,12 +16,12 @@ import argparse
 import functools
 
 import harness
-import kp_attention
 import torch
 import torch.nn.functional as F
-from kp_attention.ops import decode as decode_mod
 
+import kp_attention
 import kp_core
+from kp_attention.ops import decode as decode_mod
 
 DTYPE = torch.bfloat16
 HEAD_DIM, HQ, HKV = 128, 32, 8

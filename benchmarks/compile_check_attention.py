@@ -13,9 +13,10 @@ import itertools
 import time
 
 import triton
-from kp_attention.ops import attention_kernels as fk
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from kp_attention.ops import attention_kernels as fk
 
 PTRS = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ"}
 F32_PTRS = {"LSE", "DELTA", "DLSE"}

@@ -26,13 +26,13 @@ import statistics
 from typing import Optional
 
 import harness
-import kp_attention
 import torch
 import torch.nn.functional as F
 import triton
-from kp_attention.ops import decode as decode_mod
 
+import kp_attention
 import kp_norms
+from kp_attention.ops import decode as decode_mod
 
 DTYPE = torch.bfloat16
 ROWS, N = 8, 4096

@@ -22,11 +22,11 @@ import gc
 import os
 import time
 
-import kp_attention
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kp_attention
 import kp_core
 import kp_norms
 

@@ -11,16 +11,16 @@ KV-cache decoding has its own spec, test_decode.py.
 
 import math
 
-import kp_attention
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kp_attention.ops import attention as attention_mod
 
+import kp_attention
 import kp_conformance as kc
 import kp_core
+from kp_attention.ops import attention as attention_mod
 from kp_conformance.references import allowed, attention64, attention_lowp, lse_lowp
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -6,15 +6,15 @@ or Hugging Face's eager attention with softcap). Rows that see no key are 0 with
 
 import math
 
-import kp_attention
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kp_attention.ops import decode as decode_mod
 
+import kp_attention
 import kp_conformance as kc
 import kp_core
+from kp_attention.ops import decode as decode_mod
 from kp_conformance import kv_cache, randn
 from kp_conformance.references import allowed, kvcache_rows
 

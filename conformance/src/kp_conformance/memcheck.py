@@ -34,6 +34,7 @@ SPECS = {  # spec -> dtype ids its tests are parametrised over
     "glu": ("float32", "float16", "bfloat16", "float64"),
     "attention": ("float16", "bfloat16", "float32"),
     "decode": ("float16", "bfloat16", "float32"),
+    "quantize": ("float32", "float16", "bfloat16"),
     "registry": (),
 }
 ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")

@@ -5,13 +5,13 @@ Every tensor is made on the device under test."""
 
 import math
 
-import kp_attention
 import pytest
 import torch
 import torch.nn.functional as F
-from kp_attention.ops import attention
 
+import kp_attention
 import kp_core
+from kp_attention.ops import attention
 from kp_conformance import references as ref
 from kp_conformance.launched import skip_if_not_covered
 from kp_conformance.tolerance import check_close

@@ -5,12 +5,12 @@ with lse -inf (FlashAttention's convention). Every tensor is made on the device 
 
 import math
 
-import kp_attention
 import pytest
 import torch
-from kp_attention.ops import decode
 
+import kp_attention
 import kp_core
+from kp_attention.ops import decode
 from kp_conformance.strategies import kv_cache, randn
 from kp_conformance.tolerance import check_decode
 
