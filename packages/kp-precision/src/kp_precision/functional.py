@@ -4,6 +4,7 @@ import torch
 
 import kp_core
 from kp_precision.float8 import Float8Tensor
+from kp_precision.ops import scaled_mm as mm
 from kp_precision.ops.quantize import DTYPES, FP8_DTYPES, QUANTIZE, scale_shape
 
 _NAME = "kp_precision.quantize"
@@ -78,3 +79,65 @@ def dequantize(tensor: Float8Tensor, dtype: torch.dtype = torch.float32) -> torc
             f"{tensor.data.dtype} and {tuple(tensor.scale.shape)}"
         )
     return tensor.dequantize(dtype)
+
+
+_MM = "kp_precision.scaled_mm"
+
+
+def _check_scale(name: str, scale: object, rows: int, k: int, operand: str, device: torch.device) -> None:
+    kp_core.check_tensor(_MM, name, scale, dtypes=(torch.float32,), device=device)
+    if mm.scale_layout(scale, rows, k, operand) is None:
+        kb, rb = -(-k // mm.SCALE_K), -(-rows // mm.SCALE_K)
+        if operand == "a":
+            shapes = f"(), ({rows}, 1), ({rows}, {kb}) or ({rb}, {kb})"
+        else:
+            shapes = f"(), (1, {rows}), ({kb}, {rows}) or ({kb}, {rb})"
+        raise ValueError(
+            f"{_MM}: {name} must be tensorwise, per {'row' if operand == 'a' else 'column'} or blockwise (128 along "
+            f"K): a shape in {shapes}, got {tuple(scale.shape)}"
+        )
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """act((a * scale_a) @ (b * scale_b) + bias) as `out_dtype`, with a (M, K) and b (K, N) in float8.
+
+    As torch._scaled_mm: a row-major, b column-major (b = w.t() of a row-major (N, K) weight), K and N multiples
+    of 16, float32 dequantisation scales. scale_a is () (tensorwise), (M, 1) (per row), (M, K/128) (1 x 128 blocks)
+    or (M/128, K/128); scale_b is (), (1, N) (per column), (K/128, N) or (K/128, N/128) (128 x 128 blocks of the
+    weight: w's blockwise scale, transposed), divisions rounded up. The sum is float32; bias (N,) (float32 or
+    out_dtype), the activation ('relu', 'gelu', 'gelu_tanh', 'silu' or None) and the cast are fused into it."""
+    kp_core.check_tensor(_MM, "a", a, dtypes=FP8_DTYPES, ndim=2)
+    kp_core.check_tensor(_MM, "b", b, dtypes=FP8_DTYPES, ndim=2, device=a.device)
+    m, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"{_MM}: b must have a's K = {k} rows (a is {tuple(a.shape)}), got {tuple(b.shape)}")
+    n = b.shape[1]
+    if k % 16 or n % 16:
+        raise ValueError(f"{_MM}: K and N must be multiples of 16 for float8 tensor cores, got K={k}, N={n}")
+    if k > 1 and a.stride(1) != 1:
+        raise ValueError(f"{_MM}: a must be row-major (stride (K, 1)), got strides {a.stride()}")
+    if k > 1 and b.stride(0) != 1:
+        raise ValueError(
+            f"{_MM}: b must be column-major (stride (1, K)): pass w.t() of a row-major (N, K) weight, "
+            f"got strides {b.stride()}"
+        )
+    _check_scale("scale_a", scale_a, m, k, "a", a.device)
+    _check_scale("scale_b", scale_b, n, k, "b", a.device)
+    if out_dtype not in mm.OUT_DTYPES:
+        raise TypeError(f"{_MM}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    if bias is not None:
+        kp_core.check_tensor(_MM, "bias", bias, dtypes=(out_dtype, torch.float32), device=a.device, ndim=1)
+        kp_core.check_shape(_MM, "bias", bias, (n,))
+    act = "none" if activation is None else activation
+    if act not in mm.ACTIVATIONS:
+        raise ValueError(f"{_MM}: activation must be None, 'relu', 'gelu', 'gelu_tanh' or 'silu', got {activation!r}")
+    return mm.SCALED_MM(a, b, scale_a, scale_b, bias, act, out_dtype)

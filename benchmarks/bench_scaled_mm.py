@@ -1,0 +1,180 @@
+"""Float8 scaled matmul (kp_precision.scaled_mm): kp vs the anchors in one run.
+
+    python benchmarks/bench_scaled_mm.py          # writes results/<device>/scaled_mm.*
+    python benchmarks/bench_scaled_mm.py --tune   # sweep kp's tile settings (kp_core.pin("_scaled_mm", ...))
+
+C (M, N) = A (M, K) float8_e4m3fn @ B (K, N) float8_e4m3fn (column-major), bf16 out, at the Llama MLP shapes.
+Recipes ("mode"): tensorwise, rowwise (per row of A, per column of B), blockwise (1x128 A, 128x128 B), and
+rowwise with the epilogue "bias+gelu". Anchors: torch._scaled_mm (cuBLASLt) with the same scales, its epilogue
+done by separate PyTorch ops where it has none; torch.nn.functional.scaled_mm's blockwise recipe where the
+installed torch takes it on this GPU; bf16 torch.mm (cuBLAS) as the dense baseline float8 must beat.
+TFLOP/s = 2*M*N*K / time, CUDA-graph timing (GPU time alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import harness
+import torch
+import torch.nn.functional as F
+
+import kp_core
+import kp_precision
+
+FP8 = torch.float8_e4m3fn
+SHAPES = [(8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096), (4096, 4096, 11008), (128, 4096, 14336)]
+MODES = ("tensorwise", "rowwise", "blockwise", "rowwise bias+gelu")
+
+
+def operands(m, k, n, mode):
+    """(a, b, scale_a, scale_b, bias) for `mode`, the scales as the recipe's quantisation would give them."""
+    a = (torch.randn(m, k, device="cuda") * 100).clamp(-448, 448).to(FP8)
+    b = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(FP8).t()
+    if mode == "tensorwise":
+        sa, sb = torch.tensor(0.01, device="cuda"), torch.tensor(0.02, device="cuda")
+    elif mode.startswith("rowwise"):
+        sa, sb = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+    else:
+        sa = torch.rand(m, k // 128, device="cuda") + 0.5
+        sb = (torch.rand(n // 128, k // 128, device="cuda") + 0.5).t()
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if "bias" in mode else None
+    return a, b, sa, sb, bias
+
+
+def providers(mode: str, m: int, k: int, n: int) -> dict:
+    a, b, sa, sb, bias = operands(m, k, n, mode)
+    act = "gelu" if "gelu" in mode else None
+    out = {"kp": lambda: kp_precision.scaled_mm(a, b, sa, sb, bias=bias, activation=act, out_dtype=torch.bfloat16)}
+    if mode != "blockwise":
+        if act:  # cuBLASLt takes the bias; the activation is one more pass over C
+            out["torch._scaled_mm + gelu"] = lambda: F.gelu(
+                torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+            )
+        else:
+            out["torch._scaled_mm"] = lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    else:
+        try:
+            recipe = F.ScalingType
+            sa_c, sb_c = sa.contiguous(), sb.t().contiguous().t()  # layouts cuBLASLt's blockwise recipe takes
+            f = lambda: F.scaled_mm(a, b, sa_c, recipe.BlockWise1x128, sb_c, recipe.BlockWise128x128)  # noqa: E731
+            f()
+            out["F.scaled_mm blockwise"] = f
+        except Exception as e:  # absent on this torch or GPU: reported, not hidden
+            print(f"F.scaled_mm blockwise unavailable: {type(e).__name__}: {str(e)[:200]}")
+    x16, w16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(k, n, device="cuda").bfloat16()
+    out["bf16 torch.mm"] = lambda: torch.mm(x16, w16)
+    return out, (a, b, sa, sb, bias, act)
+
+
+def check_correct(args) -> None:
+    """Before timing: kp within 1 % (relative Frobenius) of the float32 matmul of the dequantised operands."""
+    a, b, sa, sb, bias, act = args
+    y = kp_precision.scaled_mm(a, b, sa, sb, bias=bias, activation=act, out_dtype=torch.float32)
+    m, k = a.shape
+    ea = sa.reshape(1, 1) if sa.numel() == 1 else sa.repeat_interleave(k // sa.shape[1], 1)
+    eb = sb.reshape(1, 1) if sb.numel() == 1 else sb.t().repeat_interleave(k // sb.shape[0], 1)
+    if eb.shape[0] not in (1, b.shape[1]):
+        eb = eb.repeat_interleave(128, 0)
+    ref = (a.float() * ea) @ (b.float() * eb.t())
+    if bias is not None:
+        ref = ref + bias.float()
+    ref = F.gelu(ref) if act else ref
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, f"kp scaled_mm differs from the dequantised float32 matmul: relative error {rel:.3g}"
+
+
+def tune() -> None:
+    for (m, k, n), mode in itertools.product(SHAPES[:2], ("tensorwise", "blockwise")):
+        kp = providers(mode, m, k, n)[0]["kp"]
+        results = []
+        for bm, bn, bk, warps, stages in itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4)):
+            kp_core.pin("_scaled_mm", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            try:
+                ms = harness.bench_graph_ms(kp)
+            except Exception as e:  # out of shared memory / registers: not a candidate
+                print(f"  {bm}x{bn}x{bk} w{warps} s{stages}: {type(e).__name__}")
+                continue
+            results.append((2 * m * n * k / ms / 1e9, bm, bn, bk, warps, stages))
+        kp_core.unpin("_scaled_mm")
+        print(f"tune {m}x{k}x{n} {mode}: best TFLOP/s, block_m, block_n, block_k, num_warps, num_stages")
+        for r in sorted(results, reverse=True)[:5]:
+            print("   " + "  ".join(f"{v:.0f}" if isinstance(v, float) else str(v) for v in r))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tune", action="store_true")
+    harness.require_gpu()
+    if parser.parse_args().tune:
+        tune()
+        return
+    rows = []
+    for (m, k, n), mode in harness.progress(list(itertools.product(SHAPES, MODES)), "scaled_mm"):
+        fns, args = providers(mode, m, k, n)
+        check_correct(args)
+        for name, fn in fns.items():
+            row = dict(M=m, K=k, N=n, mode=mode, provider=name)
+            for timing in ("graph", "eager"):
+                bench = harness.bench_graph_ms if timing == "graph" else harness.bench_ms
+                try:
+                    ms = bench(fn)
+                except Exception as e:
+                    print(f"{name} ({timing}) failed at {m}x{k}x{n} {mode}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                row.update({f"ms_{timing}": ms, f"tflops_{timing}": 2 * m * n * k / ms / 1e9})
+            rows.append(row)
+    meta = {"kernel": "scaled_mm", "op": "scaled_mm", "dtype": "float8_e4m3fn -> bfloat16"}
+    meta.update(harness.versions())
+    md = render(meta, rows)
+    out = harness.write_results("scaled_mm", meta, rows, md, lambda path: _plot(rows, meta, path))
+    print(md)
+    print(f"wrote {out}")
+
+
+def render(meta, rows) -> str:
+    lines = [
+        f"# Float8 scaled matmul, e4m3 x e4m3 -> bf16, {meta['device']}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}. Cells: TFLOP/s (2*M*N*K / time); kp / best float8 "
+        "anchor in the last column (bf16 torch.mm is the dense baseline, not an anchor for the ratio).",
+    ]
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    for timing, title in (("graph", "CUDA graph replay"), ("eager", "plain launches")):
+        lines += ["", f"## {title}", "", "| M x K x N | mode | " + " | ".join(names) + " | kp / best anchor |"]
+        lines.append("|---|---|" + "---|" * (len(names) + 1))
+        for (m, k, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["K"], r["N"], r["mode"])):
+            by = {r["provider"]: r[f"tflops_{timing}"] for r in group if f"tflops_{timing}" in r}
+            cells = [f"{by[p]:.0f}" if p in by else "-" for p in names]
+            anchors = [v for p, v in by.items() if p not in ("kp", "bf16 torch.mm")]
+            ratio = f"{by['kp'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
+            lines.append(f"| {m} x {k} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows, meta, path) -> None:
+    """TFLOP/s (graph timing) per recipe at each shape, kp beside the anchors."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SHAPES), figsize=(4.5 * len(SHAPES), 4.5), sharey=True)
+    for ax, (m, k, n) in zip(axes, SHAPES):
+        sub = [r for r in rows if (r["M"], r["K"], r["N"]) == (m, k, n) and "tflops_graph" in r]
+        names = list(dict.fromkeys(r["provider"] for r in sub))
+        width = 0.8 / max(1, len(names))
+        for i, name in enumerate(names):
+            vals = [
+                next((r["tflops_graph"] for r in sub if r["provider"] == name and r["mode"] == md), 0) for md in MODES
+            ]
+            ax.bar([j + i * width for j in range(len(MODES))], vals, width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(MODES))], MODES, rotation=30, fontsize=8)
+        ax.set_title(f"{m} x {k} x {n}", fontsize=9)
+    axes[0].set_ylabel("TFLOP/s, CUDA graph")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"float8 scaled matmul, e4m3 -> bf16, {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Triton kernel of the float8 scaled matmul (the maths is in kp_precision.ops.scaled_mm's docstring).
+
+One program computes a BLOCK_M x BLOCK_N tile of C = A @ B, A (M, K) row-major and B (K, N) column-major, with
+a float32 accumulator; float8 tiles go to tl.dot as they are on a GPU (tensor cores), or, when SOFT (always
+under the interpreter, whose float8 decoding is wrong for NaN and for some e5m2 values), as float32 decoded
+exactly from their bits. A scale that is constant along K
+(tensorwise, per row, per column) is applied once in the epilogue; one that changes every SCALE_K elements of K
+(blockwise) multiplies each SCALE_K-long partial product, so BLOCK_K divides SCALE_K. Then bias, the activation
+and the cast to C's dtype, still in registers.
+"""
+
+import triton
+import triton.language as tl
+
+from kp_precision.ops.quantize_kernels import _fp8_value
+
+# the activations of the epilogue (kp_precision.ops.scaled_mm.ACTIVATIONS maps names to these)
+NONE = tl.constexpr(0)
+RELU = tl.constexpr(1)
+GELU = tl.constexpr(2)
+GELU_TANH = tl.constexpr(3)
+SILU = tl.constexpr(4)
+
+
+@triton.jit
+def _operand(ptr, mask, E5M2: tl.constexpr, SOFT: tl.constexpr):
+    if SOFT:  # ptr is a uint8 view of the float8 data
+        return _fp8_value(tl.load(ptr, mask=mask, other=0).to(tl.int32), E5M2)
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _dot(a, b, acc, SOFT: tl.constexpr):
+    if SOFT:  # float32 operands: exact products (no TF32), as the float8 ones are
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _activation(y, ACT: tl.constexpr):
+    if ACT == RELU:
+        y = tl.maximum(y, 0.0)
+    elif ACT == GELU:  # exact: x * Phi(x)
+        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+    elif ACT == GELU_TANH:  # tanh(u) = 2 * sigmoid(2u) - 1, so 0.5 * (1 + tanh(u)) = sigmoid(2u)
+        u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+        y = y * tl.sigmoid(2.0 * u)
+    elif ACT == SILU:
+        y = y * tl.sigmoid(y)
+    return y
+
+
+@triton.jit
+def _scaled_mm(
+    A,
+    stride_am,
+    B,
+    stride_bn,
+    SA,
+    stride_sam,
+    stride_sak,
+    SB,
+    stride_sbk,
+    stride_sbn,
+    BIAS,
+    C,
+    stride_cm,
+    M,
+    N,
+    K,
+    SA_ROWS: tl.constexpr,
+    SA_K: tl.constexpr,
+    SB_COLS: tl.constexpr,
+    SB_K: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    A_E5M2: tl.constexpr,
+    B_E5M2: tl.constexpr,
+    SOFT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C = act(sum_k A B * scales + bias). A scale's element for row m (column n) is at (m // SA_ROWS) *
+    stride_sam (n // SB_COLS * stride_sbn); SA_K / SB_K say whether it also changes along K, every SCALE_K
+    elements (then its K index is k // SCALE_K). Tensorwise scales have stride 0."""
+    pid = tl.program_id(0)
+    # grouped order: GROUP_M row tiles share each column tile while it is in L2
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = min(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptr = A + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
+    b_ptr = B + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]
+    sa_row = SA + (rm // SA_ROWS) * stride_sam
+    sb_col = SB + (rn // SB_COLS) * stride_sbn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = _operand(a_ptr, (rm < M)[:, None] & (rk < K - k)[None, :], A_E5M2, SOFT)
+        b = _operand(b_ptr, (rk < K - k)[:, None] & (rn < N)[None, :], B_E5M2, SOFT)
+        if SA_K or SB_K:
+            part = _dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), SOFT)
+            if SA_K:
+                part *= tl.load(sa_row + (k // SCALE_K) * stride_sak, mask=rm < M, other=0.0)[:, None]
+            if SB_K:
+                part *= tl.load(sb_col + (k // SCALE_K) * stride_sbk, mask=rn < N, other=0.0)[None, :]
+            acc += part
+        else:
+            acc = _dot(a, b, acc, SOFT)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    if not SA_K:
+        acc *= tl.load(sa_row, mask=rm < M, other=0.0)[:, None]
+    if not SB_K:
+        acc *= tl.load(sb_col, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    acc = _activation(acc, ACT)
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=mask)
