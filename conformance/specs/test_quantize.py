@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kp_conformance as kc
 import kp_core
 import kp_precision
+from kp_conformance.references import quantize_fp8
 from kp_precision.ops import quantize as quantize_mod
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -24,7 +24,6 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 TIER = kc.current()
 DEVICE = kc.device()
 OPS = ("kp::quantize", "kp::dequantize")
-EPS = 1e-12  # torchao's floor on an amax, so an all-zero block gets a finite scale
 # (granularity, block) pairs; square blocks need 2-D inputs
 RECIPES = (
     ("tensorwise", None),
@@ -34,7 +33,6 @@ RECIPES = (
     ("blockwise", (128, 128)),
     ("blockwise", (16, 32)),
 )
-BLOCKS = {"tensorwise": (0, 0), "rowwise": (1, 0)}
 
 kc.declare(
     kc.Spec(
@@ -62,43 +60,9 @@ kc.declare(
 )
 
 
-def pow2_floor(q):
-    """2**floor(log2 q), exactly: frexp gives q = m * 2**e with 0.5 <= m < 1 (exp2(floor(log2 q)) in float32 is
-    not exact: log2 of a q just below a power of two rounds up to the integer). 0 (an infinite amax) and NaN
-    stay."""
-    _, e = torch.frexp(q)
-    return torch.where(q.isnan() | (q == 0), q, torch.ldexp(torch.ones_like(q), e - 1))
-
-
 def ref_quantize(x, fp8, granularity, block, given=None, power_of_2=False):
-    """(data, scale, amax) from the recipe, in float32 PyTorch (see the module docstring)."""
-    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).float()
-    m, k = x2.shape
-    fmax = torch.tensor(torch.finfo(fp8).max, device=x.device)
-    if given is not None:
-        q = torch.ones((), device=x.device) / given.reshape(())
-        amax = x2.abs().amax() if x2.numel() else torch.zeros((), device=x.device)
-        scale, qb = given.reshape(()), q
-    else:
-        bm, bk = BLOCKS.get(granularity) or block
-        bm, bk = bm or m, bk or k
-        shape = quantize_mod.scale_shape(tuple(x.shape), *(BLOCKS.get(granularity) or block))
-        if not x2.numel():  # every block empty: amax 0
-            amax = torch.zeros(shape, device=x.device)
-            q = fmax / amax.clamp(min=EPS)
-            q = pow2_floor(q) if power_of_2 else q
-            return torch.empty(x.shape, dtype=fp8, device=x.device), torch.ones_like(q) / q, amax
-        pad = F.pad(x2, (0, -k % bk, 0, -m % bm))  # zeros change no amax
-        amax = pad.view(pad.shape[0] // bm, bm, pad.shape[1] // bk, bk).abs().amax(dim=(1, 3))
-        q = fmax / amax.clamp(min=EPS)  # tensor / tensor: one IEEE division (a Python number / t is a * (1 / t))
-        if power_of_2:
-            q = pow2_floor(q)
-        scale = torch.ones_like(q) / q
-        qb = q.repeat_interleave(bm, 0)[:m].repeat_interleave(bk, 1)[:, :k]
-        scale, amax = scale.reshape(shape), amax.reshape(shape)
-    y = x2 * qb
-    y = torch.where(y.isnan(), y, y.clamp(-fmax, fmax))
-    return y.to(fp8).reshape(x.shape), scale, amax
+    """(data, scale, amax) from the recipe, in float32 PyTorch (kp_conformance.references.quantize_fp8)."""
+    return quantize_fp8(x, fp8, granularity, block, given, power_of_2)
 
 
 def looped(on: bool):

@@ -36,6 +36,7 @@ SPECS = {  # spec -> dtype ids its tests are parametrised over
     "decode": ("float16", "bfloat16", "float32"),
     "quantize": ("float32", "float16", "bfloat16"),
     "scaled_mm": ("float32", "float16", "bfloat16"),
+    "float8_linear": ("float32", "float16", "bfloat16"),
     "registry": (),
 }
 ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")

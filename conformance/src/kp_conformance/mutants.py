@@ -35,7 +35,11 @@ from pathlib import Path
 TESTS = {
     "kp-norms": ["conformance/specs/test_norm.py", "conformance/specs/test_glu.py"],
     "kp-attention": ["conformance/specs/test_attention.py", "conformance/specs/test_decode.py"],
-    "kp-precision": ["conformance/specs/test_quantize.py", "conformance/specs/test_scaled_mm.py"],
+    "kp-precision": [
+        "conformance/specs/test_quantize.py",
+        "conformance/specs/test_scaled_mm.py",
+        "conformance/specs/test_float8_linear.py",
+    ],
 }
 ARITH = {"+": ["-", "*"], "-": ["+"], "*": ["/"], "/": ["*"], "//": ["%"], "%": ["//"]}
 ARITH.update({f"{k}=": [f"{r}=" for r in v] for k, v in ARITH.items()})  # augmented: total += x

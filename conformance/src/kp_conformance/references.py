@@ -141,3 +141,69 @@ def decode(attention, q, k_cache, v_cache, lens, *, block_table=None, causal=Tru
     if isinstance(results[0], tuple):
         return tuple(torch.cat(parts) for parts in zip(*results))
     return torch.cat(results)
+
+
+# ---- float8 (the recipe of kp_precision.quantize, as torchao's float8 scaling writes it) ----
+
+FP8_EPS = 1e-12  # torchao's floor on an amax, so an all-zero block gets a finite scale
+FP8_BLOCKS = {"tensorwise": (0, 0), "rowwise": (1, 0)}
+
+
+def pow2_floor(q):
+    """2**floor(log2 q), exactly: frexp gives q = m * 2**e with 0.5 <= m < 1 (exp2(floor(log2 q)) in float32 is
+    not exact: log2 of a q just below a power of two rounds up to the integer). 0 (an infinite amax) and NaN
+    stay."""
+    _, e = torch.frexp(q)
+    return torch.where(q.isnan() | (q == 0), q, torch.ldexp(torch.ones_like(q), e - 1))
+
+
+def fp8_scale_shape(shape, block_m, block_k):
+    """The scale's shape for an input of `shape` viewed as (M, K) rows, blocks (block_m, block_k), 0 = whole."""
+    if block_m == 0:
+        return ()
+    lead, k = tuple(shape[:-1]), shape[-1]
+    nk = 1 if block_k == 0 else -(-k // block_k)
+    return (*lead, nk) if block_m == 1 else (-(-math.prod(lead) // block_m), nk)
+
+
+def quantize_fp8(x, fp8, granularity, block=None, given=None, power_of_2=False):
+    """(data, scale, amax) in float32 PyTorch: amax per block, q = FP8_MAX / max(amax, 1e-12) (floored to a
+    power of two if asked), data = torch's cast of clamp(x * q) (NaN kept), scale = 1 / q; with a `given`
+    (delayed) tensorwise scale, q = 1 / given and amax is the input's."""
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).float()
+    m, k = x2.shape
+    fmax = torch.tensor(torch.finfo(fp8).max, device=x.device)
+    if given is not None:
+        q = torch.ones((), device=x.device) / given.reshape(())
+        amax = x2.abs().amax() if x2.numel() else torch.zeros((), device=x.device)
+        scale, qb = given.reshape(()), q
+    else:
+        blocks = FP8_BLOCKS.get(granularity) or tuple(block)
+        shape = fp8_scale_shape(x.shape, *blocks)
+        bm, bk = blocks[0] or m, blocks[1] or k
+        if not x2.numel():  # every block empty: amax 0
+            amax = torch.zeros(shape, device=x.device)
+            q = fmax / amax.clamp(min=FP8_EPS)
+            q = pow2_floor(q) if power_of_2 else q
+            return torch.empty(x.shape, dtype=fp8, device=x.device), torch.ones_like(q) / q, amax
+        pad = F.pad(x2, (0, -k % bk, 0, -m % bm))  # zeros change no amax
+        amax = pad.view(pad.shape[0] // bm, bm, pad.shape[1] // bk, bk).abs().amax(dim=(1, 3))
+        q = fmax / amax.clamp(min=FP8_EPS)  # tensor / tensor: one IEEE division (a Python number / t is a * (1 / t))
+        if power_of_2:
+            q = pow2_floor(q)
+        scale = torch.ones_like(q) / q
+        qb = q.repeat_interleave(bm, 0)[:m].repeat_interleave(bk, 1)[:, :k]
+        scale, amax = scale.reshape(shape), amax.reshape(shape)
+    y = x2 * qb
+    y = torch.where(y.isnan(), y, y.clamp(-fmax, fmax))
+    return y.to(fp8).reshape(x.shape), scale, amax
+
+
+def dequantize_fp8(data, scale, granularity, block=None, dtype=torch.float64):
+    """data * scale broadcast over its blocks, in `dtype` (float64: exact)."""
+    d = data.reshape(-1, data.shape[-1]).to(dtype)
+    m, k = d.shape
+    bm, bk = FP8_BLOCKS.get(granularity) or tuple(block)
+    s = scale.reshape(1, 1) if bm == 0 else scale.reshape(-1, scale.shape[-1])
+    s = s.to(dtype).repeat_interleave(bm or m, 0)[:m].repeat_interleave(bk or k, 1)[:, :k]
+    return (d * s).reshape(data.shape)

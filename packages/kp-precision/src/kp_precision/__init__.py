@@ -1,8 +1,17 @@
-"""kp-precision: float8 quantisation and scaled matmul kernels in Triton (float8 training, MX and QAT to come)."""
+"""kp-precision: float8 quantisation, scaled matmul and float8 training linears in Triton (MX and QAT to come)."""
 
 from kp_precision.float8 import Float8Tensor
 from kp_precision.functional import dequantize, quantize, scaled_mm
+from kp_precision.training import Float8Config, Float8Linear, convert_to_float8_training
 
 __version__ = "0.1.0"
 
-__all__ = ["Float8Tensor", "dequantize", "quantize", "scaled_mm"]
+__all__ = [
+    "Float8Config",
+    "Float8Linear",
+    "Float8Tensor",
+    "convert_to_float8_training",
+    "dequantize",
+    "quantize",
+    "scaled_mm",
+]

@@ -1,0 +1,306 @@
+"""Conformance spec for kp-precision's float8 training linear (Float8Linear, convert_to_float8_training).
+
+Reference: each recipe written out in plain PyTorch from its description (kp_precision.training's docstring,
+torchao's float8 recipes, DeepSeek-V3's blockwise one): every operand cast by the float8 recipe
+(kp_conformance.references.quantize_fp8, bit-exact with torch's own cast), dequantised exactly, and the three
+matmuls (y = x w^T + b, gx = gy w, gw = gy^T x) in float64; PyTorch's low-precision run of the same recipe does
+them in float32 and rounds to the input's dtype. The 2x rule judges the output and every gradient.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import kp_conformance as kc
+import kp_core
+import kp_precision
+from kp_conformance.references import dequantize_fp8, quantize_fp8
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the input's (and output's) dtype
+TIER = kc.current()
+DEVICE = kc.device()
+OPS = ("kp::quantize", "kp::scaled_mm")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+CONFIGS = (
+    kp_precision.Float8Config("tensorwise"),
+    kp_precision.Float8Config("tensorwise", "delayed", history_len=4),
+    kp_precision.Float8Config("rowwise"),
+    kp_precision.Float8Config("blockwise"),
+)
+
+kc.declare(
+    kc.Spec(
+        name="float8_linear",
+        ops=OPS,
+        reference=(
+            "each recipe in plain PyTorch: operands cast by the float8 recipe (bit-exact with torch's cast), "
+            "dequantised exactly, y = x w^T + b, gx = gy w, gw = gy^T x in float64; PyTorch's run in float32 "
+            "rounded to the input's dtype for the 2x rule"
+        ),
+        dtypes=DTYPES,
+        properties=("values", "recipes", "delayed", "state_dict", "convert", "no_mutation", "bad_input", "compile"),
+    )
+)
+
+
+def cast(t, fp8, config, weight=False, given=None):
+    """(dequantise(dtype) function, data, scale) of t cast along its last dim by the recipe."""
+    if config.recipe == "tensorwise":
+        gran, block = "tensorwise", None
+    elif config.recipe == "rowwise":
+        gran, block = "rowwise", None
+    else:
+        gran, block = "blockwise", (128, 128) if weight else (1, 128)
+    pow2 = config.pow2 and given is None
+    data, scale, amax = quantize_fp8(t, fp8, gran, block, given=given, power_of_2=pow2)
+    return lambda dtype: dequantize_fp8(data, scale, gran, block, dtype), amax
+
+
+def recipe(x2, w, b, gy, config, dtype, given=(None, None, None)):
+    """{name: (float64 reference, PyTorch low-precision result)} for y, gx, gw (and gb) of the recipe."""
+    qx, _ = cast(x2, E4M3, config, given=given[0])
+    qw, _ = cast(w, E4M3, config, weight=True, given=given[1])
+    gfp8 = config.gradient
+    qg, _ = cast(gy, gfp8, config, given=given[2])
+    if config.recipe == "rowwise":  # the backward's casts along the other dimension
+        qwt, _ = cast(w.t().contiguous(), E4M3, config)
+        wb = lambda d: qwt(d).t()  # noqa: E731
+        qgt, _ = cast(gy.t().contiguous(), gfp8, config)
+        qxt, _ = cast(x2.t().contiguous(), E4M3, config)
+        gt, xb = lambda d: qgt(d), lambda d: qxt(d).t()  # noqa: E731
+    elif config.recipe == "blockwise":
+        wb = qw
+        qgt, _ = cast(gy.t().contiguous(), gfp8, config)
+        qxt, _ = cast(x2.t().contiguous(), E4M3, config)
+        gt, xb = lambda d: qgt(d), lambda d: qxt(d).t()  # noqa: E731
+    else:
+        wb, gt, xb = qw, lambda d: qg(d).t(), qx  # noqa: E731
+    out = {}
+    for d in (torch.float64, torch.float32):  # the reference, then PyTorch in low precision
+        y = qx(d) @ qw(d).t() + (0 if b is None else b.to(d))
+        out.setdefault("y", []).append(y)
+        out.setdefault("gx", []).append(qg(d) @ wb(d))
+        out.setdefault("gw", []).append(gt(d) @ xb(d))
+        if b is not None:
+            out.setdefault("gb", []).append(gy.to(d).sum(0))
+    final = {"y": dtype, "gx": dtype, "gw": dtype, "gb": dtype}
+    return {k: (v[0], v[1].to(final[k])) for k, v in out.items()}
+
+
+def run(layer, x, gy):
+    """Forward and backward through kp, proving the kernels ran; (y, gx, gw, gb)."""
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    with kp_core.record_launches() as rec:
+        y = layer(x)
+        y.backward(gy)
+    kc.assert_kernel_ran(rec, *OPS)
+    return y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad
+
+
+def make_layer(k, n, bias, config, w_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) / math.sqrt(k))
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    lin = lin.to(device=DEVICE, dtype=w_dtype)
+    return kp_precision.Float8Linear.from_linear(lin, config=config)
+
+
+def check(c, dtype):
+    m, k, n, config = c["m"], c["k"], c["n"], c["config"]
+    layer = make_layer(k, n, c["bias"], config, c["w_dtype"] or dtype, c["seed"])
+    x = kc.make_input((m, k), dtype, DEVICE, "contiguous", seed=c["seed"] + 1, family=c["family"])
+    gy = kc.make_input((m, n), dtype, DEVICE, "contiguous", seed=c["seed"] + 2)
+    y, gx, gw, gb = run(layer, x, gy)
+    b = None if layer.bias is None else layer.bias.detach()
+    refs = recipe(x, layer.weight.detach(), b, gy, config, dtype)
+    for name, ours in (("y", y), ("gx", gx), ("gw", gw), ("gb", gb)):
+        if name in refs:
+            ref, low = refs[name]
+            low = low.to(ours.dtype)  # a float32 master weight's gradient: rounded to dtype, then widened
+            kc.check_close(f"float8_linear {config.recipe} {name} {c}", ours, ref, low, dtype)
+
+
+@st.composite
+def cases(draw):
+    cap = max(16, min(math.isqrt(TIER.max_numel) // 4, 4096))
+    mult16 = st.one_of(st.sampled_from([16, 32, 128, 144]), st.integers(1, cap // 16).map(lambda v: 16 * v))
+    return dict(
+        m=draw(st.one_of(st.sampled_from([1, 15, 17, 33]), st.integers(1, cap))),
+        k=draw(mult16),
+        n=draw(mult16),
+        config=draw(st.sampled_from([c for c in CONFIGS if c.scaling == "dynamic"])),
+        bias=draw(st.booleans()),
+        w_dtype=draw(st.sampled_from([None, torch.float32])),  # None: the input's dtype
+        family=draw(st.sampled_from(kc.FAMILIES)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.mark.conformance(kernel="float8_linear", prop="values")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(c=cases())
+def test_values(dtype, c):
+    kc.skip_if_not_covered(dtype)
+    check(c, dtype)
+
+
+@pytest.mark.conformance(kernel="float8_linear", prop="recipes")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.scaling == "dynamic"], ids=lambda c: c.recipe)
+def test_recipes(dtype, config):
+    """Each recipe on rows that need padding (37 -> 48) and K = 272 (a partial 128-block), with bias."""
+    kc.skip_if_not_covered(dtype)
+    check(dict(m=37, k=272, n=144, config=config, bias=True, w_dtype=torch.float32, family="normal", seed=1), dtype)
+
+
+@pytest.mark.conformance(kernel="float8_linear", prop="delayed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_delayed(dtype):
+    """Delayed scaling: the first call casts dynamically and fills each history with its amax; each later call
+    casts with scale = max(history) / FP8_MAX, then pushes its amax in front (the oldest drops out)."""
+    kc.skip_if_not_covered(dtype)
+    config = CONFIGS[1]
+    layer = make_layer(144, 48, True, config, torch.float32, 3)
+    hist = {"x": [], "w": [], "g": []}
+    for step in range(config.history_len + 1):
+        x = kc.make_input((33, 144), dtype, DEVICE, "contiguous", seed=10 + step) * (1 + step)
+        gy = kc.make_input((33, 48), dtype, DEVICE, "contiguous", seed=20 + step) * (3 - step / 2)
+        w = layer.weight.detach()
+        given = [None] * 3
+        if step:
+            given = [
+                torch.stack(hist[n]).amax() / torch.finfo(f).max for n, f in (("x", E4M3), ("w", E4M3), ("g", E5M2))
+            ]
+        y, gx, gw, gb = run(layer, x, gy)
+        refs = recipe(x, w, layer.bias.detach(), gy, config, dtype, given=given)
+        for name, ours in (("y", y), ("gx", gx), ("gw", gw)):
+            kc.check_close(f"delayed step {step} {name}", ours, refs[name][0], refs[name][1].to(ours.dtype), dtype)
+        amaxes = {"x": x.float().abs().amax(), "w": w.float().abs().amax(), "g": gy.float().abs().amax()}
+        for key, buf in (("x", "amax_history_x"), ("w", "amax_history_w"), ("g", "amax_history_grad")):
+            hist[key] = [amaxes[key]] * config.history_len if not step else [amaxes[key]] + hist[key][:-1]
+            torch.testing.assert_close(getattr(layer, buf), torch.stack(hist[key]), rtol=0, atol=0)
+
+
+@pytest.mark.conformance(kernel="float8_linear", prop="state_dict")
+def test_state_dict_round_trip():
+    """A Float8Linear's state_dict is an nn.Linear's: it loads into one (strict) and back; from_linear shares
+    the linear's parameters (no copy) and convert keeps the model's keys."""
+    lin = nn.Linear(64, 32).to(DEVICE)
+    f8 = kp_precision.Float8Linear.from_linear(lin, config=CONFIGS[1])
+    assert f8.weight is lin.weight and f8.bias is lin.bias
+    assert f8.state_dict().keys() == lin.state_dict().keys()
+    plain = nn.Linear(64, 32).to(DEVICE)
+    plain.load_state_dict(f8.state_dict(), strict=True)
+    assert torch.equal(plain.weight, lin.weight)
+    other = kp_precision.Float8Linear(64, 32, device=DEVICE, config=CONFIGS[2])
+    other.load_state_dict(plain.state_dict(), strict=True)
+    assert torch.equal(other.weight, plain.weight) and torch.equal(other.bias, plain.bias)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).to(DEVICE)
+    keys = model.state_dict().keys()
+    kp_precision.convert_to_float8_training(model)
+    assert model.state_dict().keys() == keys
+
+
+@pytest.mark.conformance(kernel="float8_linear", prop="convert")
+def test_convert(capsys):
+    """Every nn.Linear the filter picks becomes a Float8Linear on the same parameters; layers float8 cannot
+    take stay, with a warning that names them; verbose lists what was converted."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down, self.head = nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 10)
+
+    model = nn.Sequential(Block(), Block()).to(DEVICE)
+    up = model[0].up.weight
+    with pytest.warns(UserWarning, match=r"0\.head \(64 -> 10\)"):
+        kp_precision.convert_to_float8_training(
+            model, module_filter_fn=lambda mod, fqn: fqn != "1.down", recipe="rowwise", verbose=True
+        )
+    kinds = {name: type(mod).__name__ for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    assert kinds == {
+        "0.up": "Float8Linear",
+        "0.down": "Float8Linear",
+        "0.head": "Linear",
+        "1.up": "Float8Linear",
+        "1.down": "Linear",
+        "1.head": "Linear",
+    }
+    assert model[0].up.weight is up and model[0].up.config.recipe == "rowwise"
+    assert "0.up" in capsys.readouterr().out
+
+
+@pytest.mark.conformance(kernel="float8_linear", prop="no_mutation")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_no_mutation(dtype):
+    for config in CONFIGS:
+        layer = make_layer(144, 32, True, config, torch.float32, 5)
+        x = kc.make_input((20, 144), dtype, DEVICE, "contiguous", seed=6)
+        before = (x.clone(), layer.weight.detach().clone(), layer.bias.detach().clone())
+        layer(x.requires_grad_()).sum().backward()
+        after = (x.detach(), layer.weight.detach(), layer.bias.detach())
+        for name, a, b in zip(("input", "weight", "bias"), before, after, strict=True):
+            assert torch.equal(a, b), f"{config.recipe}: a forward and backward modified the {name}"
+
+
+def _layer(d, **kw):
+    return kp_precision.Float8Linear(32, 16, device=d, **kw)
+
+
+BAD_INPUTS = [
+    ("unknown recipe", lambda d: kp_precision.Float8Config("columnwise"), ValueError, "recipe"),
+    ("unknown scaling", lambda d: kp_precision.Float8Config(scaling="static"), ValueError, "scaling"),
+    ("delayed rowwise", lambda d: kp_precision.Float8Config("rowwise", "delayed"), ValueError, "delayed"),
+    ("history of 0", lambda d: kp_precision.Float8Config(scaling="delayed", history_len=0), ValueError, "history_len"),
+    ("grad_dtype float16", lambda d: kp_precision.Float8Config(grad_dtype=torch.float16), TypeError, "grad_dtype"),
+    ("features not multiples of 16", lambda d: kp_precision.Float8Linear(30, 16), ValueError, "multiples of 16"),
+    ("integer input", lambda d: _layer(d)(torch.ones(4, 32, dtype=torch.int32, device=d)), TypeError, "input"),
+    ("input's last dim", lambda d: _layer(d)(torch.ones(4, 48, device=d)), ValueError, "in_features"),
+    ("0-dim input", lambda d: _layer(d)(torch.ones((), device=d)), ValueError, "in_features"),
+    (
+        "recipe and config",
+        lambda d: kp_precision.convert_to_float8_training(nn.Linear(16, 16), recipe="rowwise", config=CONFIGS[0]),
+        ValueError,
+        "recipe or config",
+    ),
+    ("not a module", lambda d: kp_precision.convert_to_float8_training([nn.Linear(16, 16)]), TypeError, "model"),
+]
+
+
+@pytest.mark.conformance(kernel="float8_linear", prop="bad_input")
+@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input(what, call, error, words):
+    with pytest.raises(error, match=words):
+        call(DEVICE)
+
+
+@pytest.mark.conformance(kernel="float8_linear", prop="compile")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.recipe}-{c.scaling}")
+def test_compile_fullgraph_equals_eager(config):
+    """Forward and backward of a compiled Float8Linear (one graph, no break) equal eager's bit for bit, and
+    delayed scaling updates its histories the same way."""
+    torch._dynamo.reset()
+    layers = [make_layer(144, 48, True, config, torch.float32, 7) for _ in range(2)]
+    x = kc.make_input((40, 144), torch.float32, DEVICE, "contiguous", seed=8)
+    results = []
+    for layer, compiled in zip(layers, (False, True), strict=True):
+        fn = torch.compile(layer, fullgraph=True) if compiled else layer
+        for _ in range(2):  # delayed: the first call fills the histories, the second uses them
+            xi = x.clone().requires_grad_()
+            layer.zero_grad(set_to_none=True)
+            with kp_core.record_launches() as rec:
+                y = fn(xi)
+                y.backward(torch.ones_like(y))
+            kc.assert_kernel_ran(rec, *OPS)
+        results.append((y, xi.grad, layer.weight.grad, [b.clone() for b in layer.buffers()]))
+    (y0, gx0, gw0, b0), (y1, gx1, gw1, b1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
+    assert all(torch.equal(a, b) for a, b in zip(b0, b1, strict=True))

@@ -1,0 +1,45 @@
+"""Float8 training beyond the conformance spec: a small model trains as well in float8 as in float32.
+
+The 200 training steps run on the ops' PyTorch reference path (KP_BACKEND=reference) off-GPU, where the
+interpreter would take minutes: what is tested here is the recipe (which casts, which scales, which matmuls);
+the conformance spec float8_linear checks the kernels doing the same against float64."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import kp_precision
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def train(model, steps=200, seed=0):
+    """Adam on a fixed synthetic regression (a random two-layer teacher); the loss of each step."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(64, 32, generator=g).to(DEVICE) / 8
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(48, 64, generator=g).to(DEVICE)
+        loss = nn.functional.mse_loss(model(x), torch.tanh(x @ teacher) * 4)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_a_small_model_trains_in_float8_as_in_float32(recipe, monkeypatch):
+    if DEVICE == "cpu":
+        monkeypatch.setenv("KP_BACKEND", "reference")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).to(DEVICE)
+    f8 = kp_precision.convert_to_float8_training(copy.deepcopy(model), recipe=recipe)
+    assert all(isinstance(f8[i], kp_precision.Float8Linear) for i in (0, 2))
+    base, ours = train(model), train(f8)
+    assert ours[-1] < 0.2 * ours[0], f"float8 {recipe} did not learn: {ours[0]:.3f} -> {ours[-1]:.3f}"
+    # measured: within 1.3 % of float32 after 200 steps for each recipe (float32 0.759)
+    assert abs(ours[-1] - base[-1]) <= 0.03 * base[-1], f"float8 {recipe} {ours[-1]:.4f} vs float32 {base[-1]:.4f}"
