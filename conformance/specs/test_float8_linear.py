@@ -7,10 +7,12 @@ matmuls (y = x w^T + b, gx = gy w, gw = gy^T x) in float64; PyTorch's low-precis
 them in float32 and rounds to the input's dtype. The 2x rule judges the output and every gradient.
 """
 
+import copy
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -42,7 +44,17 @@ kc.declare(
             "rounded to the input's dtype for the 2x rule"
         ),
         dtypes=DTYPES,
-        properties=("values", "recipes", "delayed", "state_dict", "convert", "no_mutation", "bad_input", "compile"),
+        properties=(
+            "values",
+            "recipes",
+            "delayed",
+            "state_dict",
+            "convert",
+            "inference",
+            "no_mutation",
+            "bad_input",
+            "compile",
+        ),
     )
 )
 
@@ -251,6 +263,40 @@ def test_no_mutation(dtype):
             assert torch.equal(a, b), f"{config.recipe}: a forward and backward modified the {name}"
 
 
+@pytest.mark.conformance(kernel="float8_linear", prop="inference")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_inference(dtype, recipe):
+    """Float8InferenceLinear: the weight cast once by the recipe (tensorwise, per row, 128 x 128), activations per
+    call (tensorwise, per row, 1 x 128), one float8 matmul with bias and activation (float64 reference, 2x rule);
+    an nn.Linear's state_dict loads into it (cast on load) to the same float8 weight; its own state_dict loads
+    into another exactly; convert_to_float8_inference swaps a model's layers."""
+    kc.skip_if_not_covered(dtype)
+    config = kp_precision.Float8Config(recipe, power_of_2=False)
+    lin = nn.Linear(272, 144, device=DEVICE, dtype=dtype).requires_grad_(False)
+    with torch.no_grad():
+        lin.weight.copy_(kc.make_input((144, 272), dtype, DEVICE, "contiguous", seed=9) / 16)
+        lin.bias.copy_(kc.make_input((144,), dtype, DEVICE, "contiguous", seed=10))
+    layer = kp_precision.Float8InferenceLinear.from_linear(lin, recipe=recipe, activation="gelu")
+    x = kc.make_input((3, 13, 272), dtype, DEVICE, "contiguous", seed=11)
+    with kp_core.record_launches() as rec:
+        y = layer(x)
+    kc.assert_kernel_ran(rec, *OPS)
+    qx, _ = cast(x.reshape(-1, 272), E4M3, config)
+    qw, _ = cast(lin.weight, E4M3, config, weight=True)
+    ref, low = (F.gelu(qx(d) @ qw(d).t() + lin.bias.to(d)) for d in (torch.float64, torch.float32))
+    kc.check_close(f"inference {recipe}", y.reshape(-1, 144), ref, low.to(dtype), dtype)
+    loaded = kp_precision.Float8InferenceLinear(272, 144, device=DEVICE, dtype=dtype, recipe=recipe, activation="gelu")
+    loaded.load_state_dict(lin.state_dict(), strict=True)
+    again = kp_precision.Float8InferenceLinear(272, 144, device=DEVICE, dtype=dtype, recipe=recipe, activation="gelu")
+    again.load_state_dict(loaded.state_dict(), strict=True)
+    for other in (loaded, again):
+        assert torch.equal(other.weight.view(torch.uint8), layer.weight.view(torch.uint8))
+        assert torch.equal(other.weight_scale, layer.weight_scale) and torch.equal(other(x), y)
+    model = kp_precision.convert_to_float8_inference(nn.Sequential(copy.deepcopy(lin), nn.ReLU()), recipe=recipe)
+    assert isinstance(model[0], kp_precision.Float8InferenceLinear) and model[0].weight.dtype == E4M3
+
+
 def _layer(d, **kw):
     return kp_precision.Float8Linear(32, 16, device=d, **kw)
 
@@ -272,6 +318,37 @@ BAD_INPUTS = [
         "recipe or config",
     ),
     ("not a module", lambda d: kp_precision.convert_to_float8_training([nn.Linear(16, 16)]), TypeError, "model"),
+    (
+        "inference recipe",
+        lambda d: kp_precision.Float8InferenceLinear(32, 16, recipe="columnwise"),
+        ValueError,
+        "recipe",
+    ),
+    (
+        "inference activation",
+        lambda d: kp_precision.Float8InferenceLinear(32, 16, activation="tanh"),
+        ValueError,
+        "activation",
+    ),
+    ("inference features", lambda d: kp_precision.Float8InferenceLinear(32, 8), ValueError, "multiples of 16"),
+    (
+        "inference input",
+        lambda d: kp_precision.Float8InferenceLinear(32, 16, device=d)(torch.ones(2, 16, device=d)),
+        ValueError,
+        "in_features",
+    ),
+    (
+        "inference wrong weight",
+        lambda d: kp_precision.Float8InferenceLinear(32, 16, device=d).set_weight(torch.ones(32, 16, device=d)),
+        ValueError,
+        "weight",
+    ),
+    (
+        "inference convert recipe",
+        lambda d: kp_precision.convert_to_float8_inference(nn.Linear(16, 16), recipe="columnwise"),
+        ValueError,
+        "recipe",
+    ),
 ]
 
 

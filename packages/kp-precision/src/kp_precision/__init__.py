@@ -2,14 +2,17 @@
 
 from kp_precision.float8 import Float8Tensor
 from kp_precision.functional import dequantize, quantize, scaled_mm
+from kp_precision.inference import Float8InferenceLinear, convert_to_float8_inference
 from kp_precision.training import Float8Config, Float8Linear, convert_to_float8_training
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Float8Config",
+    "Float8InferenceLinear",
     "Float8Linear",
     "Float8Tensor",
+    "convert_to_float8_inference",
     "convert_to_float8_training",
     "dequantize",
     "quantize",

@@ -26,13 +26,13 @@ weight gradient); in_features and out_features must be multiples of 16 (convert_
 layers that are not, and says which).
 """
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kp_precision.convert import swap_linears
 from kp_precision.functional import quantize, scaled_mm
 
 E4M3 = torch.float8_e4m3fn
@@ -163,8 +163,13 @@ class _Float8Matmul(torch.autograd.Function):
         return gx, gw.to(w_dtype), gb, None, None, None
 
 
-def _describe(x) -> str:
-    return f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+def check_input(layer: str, x, in_features: int) -> None:
+    """A linear's input: a float16 / bfloat16 / float32 tensor whose last dim is in_features."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{layer}: input must be a float16, bfloat16 or float32 tensor, got {got}")
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"{layer}: input's last dim must be in_features = {in_features}, got shape {tuple(x.shape)}")
 
 
 class Float8Linear(nn.Linear):
@@ -198,13 +203,8 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"Float8Linear: input must be a float16, bfloat16 or float32 tensor, got {_describe(x)}")
-        lead, k = x.shape[:-1], x.shape[-1] if x.dim() else 0
-        if x.dim() == 0 or k != self.in_features:
-            raise ValueError(
-                f"Float8Linear: input's last dim must be in_features = {self.in_features}, got {tuple(x.shape)}"
-            )
+        check_input("Float8Linear", x, self.in_features)
+        lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
         if m % 16:  # M is the weight gradient's contraction: float8 matmuls take multiples of 16
@@ -238,28 +238,7 @@ def convert_to_float8_training(
     multiple of 16 stay nn.Linear (one warning names them); `verbose=True` prints each converted layer."""
     if recipe is not None and config is not None:
         raise ValueError("convert_to_float8_training: give recipe or config, not both")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert_to_float8_training: model must be an nn.Module, got {type(model).__name__}")
     config = config or Float8Config(recipe=recipe or "tensorwise")
-    converted, skipped = [], []
-    for fqn, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
-            path = f"{fqn}.{name}" if fqn else name
-            if type(child) is not nn.Linear or (module_filter_fn is not None and not module_filter_fn(child, path)):
-                continue
-            if child.in_features % 16 or child.out_features % 16:
-                skipped.append(f"{path} ({child.in_features} -> {child.out_features})")
-                continue
-            setattr(module, name, Float8Linear.from_linear(child, config=config))
-            converted.append(path)
-    if skipped:
-        warnings.warn(
-            "convert_to_float8_training: kept as nn.Linear (float8 matmuls need in_features and out_features "
-            f"that are multiples of 16): {', '.join(skipped)}",
-            stacklevel=2,
-        )
-    if verbose:
-        print(f"convert_to_float8_training ({config.recipe}, {config.scaling}): {len(converted)} layers")
-        for path in converted:
-            print(f"  {path}")
-    return model
+    make = lambda linear: Float8Linear.from_linear(linear, config=config)  # noqa: E731
+    label = f"{config.recipe}, {config.scaling}"
+    return swap_linears(model, "convert_to_float8_training", module_filter_fn, make, verbose, label)
