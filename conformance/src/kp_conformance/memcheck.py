@@ -37,6 +37,7 @@ SPECS = {  # spec -> dtype ids its tests are parametrised over
     "quantize": ("float32", "float16", "bfloat16"),
     "scaled_mm": ("float32", "float16", "bfloat16"),
     "float8_linear": ("float32", "float16", "bfloat16"),
+    "mx": ("float32", "float16", "bfloat16"),
     "registry": (),
 }
 ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")

@@ -207,3 +207,52 @@ def dequantize_fp8(data, scale, granularity, block=None, dtype=torch.float64):
     s = scale.reshape(1, 1) if bm == 0 else scale.reshape(-1, scale.shape[-1])
     s = s.to(dtype).repeat_interleave(bm or m, 0)[:m].repeat_interleave(bk or k, 1)[:, :k]
     return (d * s).reshape(data.shape)
+
+
+# ---- MX formats (OCP Microscaling Formats v1.0, section 6.3's conversion) ----
+
+MX_ELEMENTS = {  # name -> (largest normal exponent, largest value, torch dtype or None for fp4)
+    "fp8_e4m3": (8, 448.0, torch.float8_e4m3fn),
+    "fp8_e5m2": (15, 57344.0, torch.float8_e5m2),
+    "fp4_e2m1": (2, 6.0, None),
+}
+FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def fp4_codes(y):
+    """Saturated float32 values as e2m1 codes (int64, sign in bit 3): nearest grid value, a tie to the even code
+    (mantissa bit 0). Midpoints between neighbours bound the buckets; a value on a midpoint is a tie."""
+    grid = torch.tensor(FP4_GRID, dtype=torch.float64, device=y.device)
+    mids = (grid[1:] + grid[:-1]) / 2
+    mag = y.abs().double().nan_to_num(0.0)
+    idx = torch.bucketize(mag, mids)  # mag == mids[i] -> i (the lower neighbour)
+    tie = (idx < 7) & (mag == mids[idx.clamp(max=6)])
+    idx = torch.where(tie & (idx % 2 == 1), idx + 1, idx)
+    return idx | (torch.signbit(y).long() << 3)
+
+
+def mx_quantize(x, elem):
+    """(element values as float64 (..., K), E8M0 scale bytes (..., K/32) as int64) of x by the MX conversion:
+    X = 2**(floor(log2 amax) - emax), clamped to [2**-127, 2**127], NaN if the block's amax is NaN or inf;
+    elements = RNE(clamp(x / X, -max, max)) (torch's own cast for fp8, fp4_codes for fp4)."""
+    emax, vmax, dtype = MX_ELEMENTS[elem]
+    xb = x.double().reshape(*x.shape[:-1], -1, 32)
+    amax = xb.abs().amax(-1)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax)).nan_to_num(1.0, 1.0)
+    shared = torch.where(amax > 0, torch.floor(torch.log2(safe)) - emax, -127.0).clamp(-127, 127)
+    byte = torch.where(amax.isfinite(), shared + 127, 255.0).long()
+    y = (xb / torch.exp2(shared).unsqueeze(-1)).float()  # a power of two: exact
+    y = torch.where(y.isnan(), y, y.clamp(-vmax, vmax))
+    if dtype is not None:
+        elems = y.to(dtype).double()
+    else:
+        codes = fp4_codes(y)
+        elems = torch.tensor(FP4_GRID, dtype=torch.float64, device=x.device)[codes & 7]
+        elems = torch.where(codes >= 8, -elems, elems)
+    return elems.reshape(x.shape), byte
+
+
+def mx_values(elems, byte):
+    """Dequantised MX values in float64: element * 2**(byte - 127), NaN where the byte is 255."""
+    scale = torch.where(byte == 255, float("nan"), torch.exp2(byte.double() - 127))
+    return (elems.reshape(*byte.shape, 32) * scale.unsqueeze(-1)).reshape(elems.shape)

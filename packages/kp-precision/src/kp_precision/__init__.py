@@ -1,8 +1,9 @@
-"""kp-precision: float8 quantisation, scaled matmul and float8 training linears in Triton (MX and QAT to come)."""
+"""kp-precision: float8 and MX quantisation, scaled matmul, float8 training and inference linears in Triton."""
 
 from kp_precision.float8 import Float8Tensor
-from kp_precision.functional import dequantize, quantize, scaled_mm
+from kp_precision.functional import dequantize, mx_dequantize, mx_matmul, mx_quantize, quantize, scaled_mm
 from kp_precision.inference import Float8InferenceLinear, convert_to_float8_inference
+from kp_precision.mx import MXTensor
 from kp_precision.training import Float8Config, Float8Linear, convert_to_float8_training
 
 __version__ = "0.1.0"
@@ -12,9 +13,13 @@ __all__ = [
     "Float8InferenceLinear",
     "Float8Linear",
     "Float8Tensor",
+    "MXTensor",
     "convert_to_float8_inference",
     "convert_to_float8_training",
     "dequantize",
+    "mx_dequantize",
+    "mx_matmul",
+    "mx_quantize",
     "quantize",
     "scaled_mm",
 ]

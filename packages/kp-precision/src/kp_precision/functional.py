@@ -4,6 +4,8 @@ import torch
 
 import kp_core
 from kp_precision.float8 import Float8Tensor
+from kp_precision.mx import MXTensor
+from kp_precision.ops import mx
 from kp_precision.ops import scaled_mm as mm
 from kp_precision.ops.quantize import DTYPES, FP8_DTYPES, QUANTIZE, scale_shape
 
@@ -141,3 +143,54 @@ def scaled_mm(
     if act not in mm.ACTIVATIONS:
         raise ValueError(f"{_MM}: activation must be None, 'relu', 'gelu', 'gelu_tanh' or 'silu', got {activation!r}")
     return mm.SCALED_MM(a, b, scale_a, scale_b, bias, act, out_dtype)
+
+
+_MX = "kp_precision.mx_quantize"
+
+
+def mx_quantize(input: torch.Tensor, elem: str = "fp8_e4m3") -> MXTensor:
+    """`input` (..., K) in an MX format (OCP Microscaling v1.0): blocks of 32 along the last dim (K a multiple
+    of 32), each with a power-of-two E8M0 scale from its amax (floor(log2 amax) minus the element format's
+    largest exponent) and elements rounded to nearest-even with saturation. `elem`: 'fp8_e4m3', 'fp8_e5m2'
+    (MXFP8) or 'fp4_e2m1' (MXFP4)."""
+    kp_core.check_tensor(_MX, "input", input, dtypes=DTYPES, min_ndim=1)
+    if elem not in mx.ELEMENTS:
+        raise ValueError(f"{_MX}: elem must be one of {tuple(mx.ELEMENTS)}, got {elem!r}")
+    if input.shape[-1] % mx.BLOCK:
+        raise ValueError(f"{_MX}: the last dim of input must be a multiple of 32 (MX blocks), got {tuple(input.shape)}")
+    data, scale = mx.MX_QUANTIZE(input, elem)
+    return MXTensor(data, scale, elem)
+
+
+def mx_dequantize(tensor: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """elements * 2**(scale - 127) per block, rounded once to `dtype`."""
+    _check_mx("kp_precision.mx_dequantize", "tensor", tensor)
+    if dtype not in DTYPES:
+        raise TypeError(f"kp_precision.mx_dequantize: dtype must be float16, bfloat16 or float32, got {dtype}")
+    return tensor.dequantize(dtype)
+
+
+def _check_mx(op: str, name: str, t: object) -> None:
+    if not isinstance(t, MXTensor):
+        raise TypeError(f"{op}: {name} must be an MXTensor (from kp_precision.mx_quantize), got {type(t).__name__}")
+    if t.elem not in mx.ELEMENTS or t.scale.dtype != torch.uint8 or t.data.dtype != mx.ELEMENTS[t.elem][3]:
+        raise ValueError(f"{op}: {name} is not a valid MXTensor ({t.elem!r}, {t.data.dtype}, scale {t.scale.dtype})")
+    if tuple(t.data.shape) != mx.data_shape(tuple(t.shape), t.elem):
+        raise ValueError(f"{op}: {name}'s data {tuple(t.data.shape)} does not match its scale {tuple(t.scale.shape)}")
+
+
+def mx_matmul(a: MXTensor, b: MXTensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a (M, K) @ b (N, K).T for MX operands blocked along K (b as a weight is stored: (out, in)): per 32-deep
+    block, the exact dot product of the elements times both scales, summed in float32. On Hopper this is an
+    emulation (elements decoded in registers, TF32 tensor cores, exact for every MX element); hardware with MX
+    tensor cores could take the same operands as they are."""
+    _check_mx("kp_precision.mx_matmul", "a", a)
+    _check_mx("kp_precision.mx_matmul", "b", b)
+    if a.scale.dim() != 2 or b.scale.dim() != 2 or a.scale.shape[1] != b.scale.shape[1]:
+        raise ValueError(
+            f"kp_precision.mx_matmul: a (M, K) and b (N, K) must share K, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    kp_core.check_same_device("kp_precision.mx_matmul", a=a.data, b=b.data)
+    if out_dtype not in DTYPES:
+        raise TypeError(f"kp_precision.mx_matmul: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    return mx.MX_MATMUL(a.data, a.scale, b.data, b.scale, a.elem, b.elem, out_dtype)

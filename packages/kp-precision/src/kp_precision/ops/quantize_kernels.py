@@ -40,20 +40,15 @@ def _multiplier(amax_bits, FP8_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.co
 
 
 @triton.jit
-def _fp8_bits(y, E5M2: tl.constexpr):
-    """y (float32, NaN or within the format's range) rounded to nearest-even as float8 bits (uint8), in integer
-    arithmetic: Triton's interpreter converts to float8 with its own rounding, so on CPU this is the exact path.
-    Normal results: round the float32 mantissa to 3 (e4m3) or 2 (e5m2) bits and rebias the exponent;
-    subnormal results: multiples of the smallest subnormal, rounded with the 2**23 trick."""
-    if E5M2:
-        MANT: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
-    else:
-        MANT: tl.constexpr = 3
-        BIAS: tl.constexpr = 7
+def _minifloat_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr, SIGN: tl.constexpr, NAN: tl.constexpr):
+    """y (float32, NaN or within the format's range) rounded to nearest-even as the bits (int32) of a small
+    sign-magnitude float: MANT mantissa bits, exponent bias BIAS, the sign at bit SIGN, NaN as NAN. Integer
+    arithmetic: Triton's interpreter converts to float8 with its own rounding, and nothing converts to float4.
+    Normal results: round the float32 mantissa to MANT bits and rebias the exponent; subnormal results:
+    multiples of the smallest subnormal, rounded with the 2**23 trick."""
     SHIFT: tl.constexpr = 23 - MANT
     bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
+    sign = (bits >> (31 - SIGN)) & (1 << SIGN)
     a = bits & 0x7FFFFFFF
     normal = a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)
     normal = (normal >> SHIFT) - ((127 - BIAS) << MANT)
@@ -61,30 +56,39 @@ def _fp8_bits(y, E5M2: tl.constexpr):
     steps = tl.abs(y) * (2.0 ** (BIAS + MANT - 1))
     sub = ((steps + 8388608.0) - 8388608.0).to(tl.int32)
     out = tl.where(a < ((128 - BIAS) << 23), sub, normal)
-    out = tl.where(a > 0x7F800000, 0x7F, out)  # NaN: 0x7F in both formats, with y's sign (as torch)
-    return (out | sign).to(tl.uint8)
+    out = tl.where(a > 0x7F800000, NAN, out)  # with y's sign, as torch
+    return out | sign
+
+
+@triton.jit
+def _minifloat_value(b, MANT: tl.constexpr, BIAS: tl.constexpr, SIGN: tl.constexpr):
+    """The bits (int32) of a small sign-magnitude float as float32, without its special values: normal values
+    rebuilt as float32 bits, subnormals as a multiple of the smallest subnormal (exact)."""
+    exp = (b >> MANT) & ((1 << (SIGN - MANT)) - 1)
+    mant = b & ((1 << MANT) - 1)
+    sign = (b & (1 << SIGN)) << (31 - SIGN)
+    normal = (sign | ((exp + (127 - BIAS)) << 23) | (mant << (23 - MANT))).to(tl.float32, bitcast=True)
+    sub = mant.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))
+    return tl.where(exp == 0, tl.where(sign != 0, -sub, sub), normal)
+
+
+@triton.jit
+def _fp8_bits(y, E5M2: tl.constexpr):
+    """y (float32, NaN or within range) as float8 bits (uint8): e5m2 or e4m3fn, NaN 0x7F in both (as torch)."""
+    if E5M2:
+        return _minifloat_bits(y, 2, 15, 7, 0x7F).to(tl.uint8)
+    return _minifloat_bits(y, 3, 7, 7, 0x7F).to(tl.uint8)
 
 
 @triton.jit
 def _fp8_value(b, E5M2: tl.constexpr):
-    """float8 bits (int32, 0..255) as float32: normal values rebuilt as float32 bits, subnormals as a multiple
-    of the smallest subnormal (exact), then inf and NaN."""
+    """float8 bits (int32, 0..255) as float32, with inf and NaN (e5m2: IEEE's; e4m3fn: NaN only, S.1111.111)."""
     if E5M2:
-        MANT: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
+        v = _minifloat_value(b, 2, 15, 7)
+        inf = tl.where((b & 0x80) != 0, -float("inf"), float("inf"))
+        v = tl.where((b & 0x7C) == 0x7C, tl.where((b & 3) == 0, inf, float("nan")), v)
     else:
-        MANT: tl.constexpr = 3
-        BIAS: tl.constexpr = 7
-    exp = (b >> MANT) & (0x7F >> MANT)
-    mant = b & ((1 << MANT) - 1)
-    sign = (b & 0x80) << 24
-    normal = (sign | ((exp + (127 - BIAS)) << 23) | (mant << (23 - MANT))).to(tl.float32, bitcast=True)
-    sub = mant.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))
-    v = tl.where(exp == 0, tl.where(sign != 0, -sub, sub), normal)
-    if E5M2:
-        inf = tl.where(sign != 0, -float("inf"), float("inf"))
-        v = tl.where(exp == 31, tl.where(mant == 0, inf, float("nan")), v)
-    else:
+        v = _minifloat_value(b, 3, 7, 7)
         v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
     return v
 

@@ -1,0 +1,25 @@
+"""MXTensor: MX-format data (OCP Microscaling v1.0) with its E8M0 block scales, as a NamedTuple (torch.compile
+traces it like any tuple of tensors)."""
+
+from typing import NamedTuple
+
+import torch
+
+from kp_precision.ops.mx import MX_DEQUANTIZE
+
+
+class MXTensor(NamedTuple):
+    """`data`: the elements, (..., K) float8 for 'fp8_e4m3' / 'fp8_e5m2', or (..., K/2) uint8 for 'fp4_e2m1'
+    (two per byte, the first in the low nibble); `scale`: (..., K/32) uint8 E8M0 bytes (2**(s - 127), 255 NaN);
+    `elem`: the element format's name."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    elem: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.scale.shape[:-1], self.scale.shape[-1] * 32))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return MX_DEQUANTIZE(self.data, self.scale, self.elem, dtype)
