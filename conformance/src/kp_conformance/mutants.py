@@ -39,6 +39,8 @@ TESTS = {
         "conformance/specs/test_quantize.py",
         "conformance/specs/test_scaled_mm.py",
         "conformance/specs/test_float8_linear.py",
+        "conformance/specs/test_mx.py",
+        "conformance/specs/test_fake_quantize.py",
     ],
 }
 ARITH = {"+": ["-", "*"], "-": ["+"], "*": ["/"], "/": ["*"], "//": ["%"], "%": ["//"]}

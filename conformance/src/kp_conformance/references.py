@@ -256,3 +256,19 @@ def mx_values(elems, byte):
     """Dequantised MX values in float64: element * 2**(byte - 127), NaN where the byte is 255."""
     scale = torch.where(byte == 255, float("nan"), torch.exp2(byte.double() - 127))
     return (elems.reshape(*byte.shape, 32) * scale.unsqueeze(-1)).reshape(elems.shape)
+
+
+# ---- integer fake quantisation (symmetric, per group; as torchao's QAT fake quantisers, with scale amax / qmax) ----
+
+
+def fake_quantize_int(x, qmax, group):
+    """(dequantised values in x's dtype, integer codes as float32) of symmetric quantisation of x's last dim in
+    groups of `group` (0: whole rows): scale = max(amax, 1e-12) / qmax in float32 (IEEE division), codes =
+    round-half-even(x / scale) clamped to [-qmax - 1, qmax], values = codes * scale rounded once to x's dtype."""
+    k = x.shape[-1]
+    g = group or k
+    xg = x.float().reshape(-1, k // g, g)
+    amax = xg.abs().amax(-1, keepdim=True)
+    scale = torch.maximum(amax, torch.tensor(1e-12)) / torch.tensor(float(qmax))
+    codes = torch.round(xg / scale).clamp(-qmax - 1, qmax)
+    return (codes * scale).to(x.dtype).reshape(x.shape), codes.reshape(x.shape)

@@ -1,9 +1,18 @@
-"""kp-precision: float8 and MX quantisation, scaled matmul, float8 training and inference linears in Triton."""
+"""kp-precision: float8 and MX quantisation, scaled matmul, float8 training and inference linears, QAT in Triton."""
 
 from kp_precision.float8 import Float8Tensor
-from kp_precision.functional import dequantize, mx_dequantize, mx_matmul, mx_quantize, quantize, scaled_mm
+from kp_precision.functional import (
+    dequantize,
+    fake_quantize,
+    mx_dequantize,
+    mx_matmul,
+    mx_quantize,
+    quantize,
+    scaled_mm,
+)
 from kp_precision.inference import Float8InferenceLinear, convert_to_float8_inference
 from kp_precision.mx import MXTensor
+from kp_precision.qat import QATLinear, QuantizedLinear, convert, prepare_qat
 from kp_precision.training import Float8Config, Float8Linear, convert_to_float8_training
 
 __version__ = "0.1.0"
@@ -14,12 +23,17 @@ __all__ = [
     "Float8Linear",
     "Float8Tensor",
     "MXTensor",
+    "QATLinear",
+    "QuantizedLinear",
+    "convert",
     "convert_to_float8_inference",
     "convert_to_float8_training",
     "dequantize",
+    "fake_quantize",
     "mx_dequantize",
     "mx_matmul",
     "mx_quantize",
+    "prepare_qat",
     "quantize",
     "scaled_mm",
 ]

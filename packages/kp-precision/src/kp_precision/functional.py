@@ -5,6 +5,7 @@ import torch
 import kp_core
 from kp_precision.float8 import Float8Tensor
 from kp_precision.mx import MXTensor
+from kp_precision.ops import fake_quantize as fq
 from kp_precision.ops import mx
 from kp_precision.ops import scaled_mm as mm
 from kp_precision.ops.quantize import DTYPES, FP8_DTYPES, QUANTIZE, scale_shape
@@ -194,3 +195,48 @@ def mx_matmul(a: MXTensor, b: MXTensor, *, out_dtype: torch.dtype = torch.bfloat
     if out_dtype not in DTYPES:
         raise TypeError(f"kp_precision.mx_matmul: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
     return mx.MX_MATMUL(a.data, a.scale, b.data, b.scale, a.elem, b.elem, out_dtype)
+
+
+_FQ = "kp_precision.fake_quantize"
+QAT_FORMATS = {"int8": 127, "int4": 7, "fp8": None}
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: fn(x); backward: the gradient as it came (the straight-through estimator of rounding)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def fake_quantize(input: torch.Tensor, dtype: str = "int8", *, group_size: int | None = None) -> torch.Tensor:
+    """Quantise and dequantise `input` (for quantisation-aware training), with a straight-through gradient.
+
+    'int8' / 'int4': symmetric integers, scale = amax / 127 (or 7) per group of `group_size` elements of the last
+    dim (None: per row), round half to even, clamp to [-128, 127] ([-8, 7]). 'fp8': float8 e4m3fn with a scale
+    per row (kp_precision.quantize's rowwise recipe). The result has input's dtype."""
+    kp_core.check_tensor(_FQ, "input", input, dtypes=DTYPES, min_ndim=1)
+    if dtype not in QAT_FORMATS:
+        raise ValueError(f"{_FQ}: dtype must be one of {tuple(QAT_FORMATS)}, got {dtype!r}")
+    k = input.shape[-1]
+    if group_size is not None:
+        if dtype == "fp8":
+            raise ValueError(f"{_FQ}: group_size is for the integer formats; fp8 scales per row")
+        ok = isinstance(group_size, int) and not isinstance(group_size, bool) and 8 <= group_size <= 1024
+        if not ok or group_size & (group_size - 1) or k % group_size:
+            raise ValueError(
+                f"{_FQ}: group_size must be a power of two in [8, 1024] dividing the last dim ({k}), got {group_size!r}"
+            )
+    elif dtype != "fp8" and k > fq.MAX_ROW:
+        raise ValueError(f"{_FQ}: per-row scales take rows of at most {fq.MAX_ROW} elements, got {k}: set group_size")
+    if dtype == "fp8":
+        fn = lambda x: quantize(x, granularity="rowwise").dequantize(x.dtype)  # noqa: E731
+    else:
+        fn = lambda x: fq.FAKE_QUANTIZE(x, QAT_FORMATS[dtype], group_size or 0)  # noqa: E731
+    if input.requires_grad and torch.is_grad_enabled():
+        return _StraightThrough.apply(input, fn)
+    return fn(input)

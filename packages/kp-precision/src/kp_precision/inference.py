@@ -10,9 +10,9 @@ per row, 1 x 128 blocks) and runs one float8 matmul with bias and the optional a
 import torch
 from torch import nn
 
-from kp_precision.convert import swap_linears
 from kp_precision.functional import quantize, scaled_mm
 from kp_precision.ops.scaled_mm import ACTIVATIONS
+from kp_precision.swap import swap_linears
 from kp_precision.training import RECIPES, check_input
 
 E4M3 = torch.float8_e4m3fn

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kp_precision.convert import swap_linears
 from kp_precision.functional import quantize, scaled_mm
+from kp_precision.swap import swap_linears
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
