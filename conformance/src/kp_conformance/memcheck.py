@@ -39,6 +39,7 @@ SPECS = {  # spec -> dtype ids its tests are parametrised over
     "float8_linear": ("float32", "float16", "bfloat16"),
     "mx": ("float32", "float16", "bfloat16"),
     "fake_quantize": ("float32", "float16", "bfloat16"),
+    "linear_activation": ("float16", "bfloat16"),
     "registry": (),
 }
 ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")

@@ -41,6 +41,7 @@ TESTS = {
         "conformance/specs/test_float8_linear.py",
         "conformance/specs/test_mx.py",
         "conformance/specs/test_fake_quantize.py",
+        "conformance/specs/test_linear_activation.py",
     ],
 }
 ARITH = {"+": ["-", "*"], "-": ["+"], "*": ["/"], "/": ["*"], "//": ["%"], "%": ["//"]}

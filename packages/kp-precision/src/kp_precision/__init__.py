@@ -1,15 +1,18 @@
-"""kp-precision: float8 and MX quantisation, scaled matmul, float8 training and inference linears, QAT in Triton."""
+"""kp-precision: float8 and MX quantisation, scaled matmul, float8 training and inference linears, QAT,
+fused linear + activation in Triton."""
 
 from kp_precision.float8 import Float8Tensor
 from kp_precision.functional import (
     dequantize,
     fake_quantize,
+    linear_activation,
     mx_dequantize,
     mx_matmul,
     mx_quantize,
     quantize,
     scaled_mm,
 )
+from kp_precision.fused import FusedLinearActivation
 from kp_precision.inference import Float8InferenceLinear, convert_to_float8_inference
 from kp_precision.mx import MXTensor
 from kp_precision.qat import QATLinear, QuantizedLinear, convert, prepare_qat
@@ -22,6 +25,7 @@ __all__ = [
     "Float8InferenceLinear",
     "Float8Linear",
     "Float8Tensor",
+    "FusedLinearActivation",
     "MXTensor",
     "QATLinear",
     "QuantizedLinear",
@@ -30,6 +34,7 @@ __all__ = [
     "convert_to_float8_training",
     "dequantize",
     "fake_quantize",
+    "linear_activation",
     "mx_dequantize",
     "mx_matmul",
     "mx_quantize",

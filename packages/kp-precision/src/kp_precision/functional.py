@@ -1,11 +1,14 @@
 """kp-precision's public functions: argument checks, then the declared ops (kp_precision.ops.*)."""
 
+import math
+
 import torch
 
 import kp_core
 from kp_precision.float8 import Float8Tensor
 from kp_precision.mx import MXTensor
 from kp_precision.ops import fake_quantize as fq
+from kp_precision.ops import linear_activation as la
 from kp_precision.ops import mx
 from kp_precision.ops import scaled_mm as mm
 from kp_precision.ops.quantize import DTYPES, FP8_DTYPES, QUANTIZE, scale_shape
@@ -240,3 +243,35 @@ def fake_quantize(input: torch.Tensor, dtype: str = "int8", *, group_size: int |
     if input.requires_grad and torch.is_grad_enabled():
         return _StraightThrough.apply(input, fn)
     return fn(input)
+
+
+_LA = "kp_precision.linear_activation"
+
+
+def linear_activation(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = "gelu"
+) -> torch.Tensor:
+    """act(input @ weight.T + bias) for float16 / bfloat16, as F.linear then the activation, with the bias and
+    activation ('relu', 'gelu', 'gelu_tanh', 'silu' or None) in the GEMM's epilogue: the sum in float32, one
+    rounding. Differentiable: the backward takes act' from the saved pre-activation in one pass, then cuBLAS."""
+    kp_core.check_tensor(_LA, "input", input, dtypes=la.DTYPES, min_ndim=1)
+    kp_core.check_tensor(_LA, "weight", weight, ndim=2, device=input.device)
+    kp_core.check_same_dtype(_LA, "weight", weight, input, "input")
+    k = input.shape[-1]
+    if weight.shape[1] != k:
+        raise ValueError(
+            f"{_LA}: weight must be (out_features, {k}) for input {tuple(input.shape)}, got {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        kp_core.check_tensor(_LA, "bias", bias, device=input.device, ndim=1)
+        kp_core.check_same_dtype(_LA, "bias", bias, input, "input")
+        kp_core.check_shape(_LA, "bias", bias, (weight.shape[0],))
+    act = "none" if activation is None else activation
+    if act not in mm.ACTIVATIONS:
+        raise ValueError(f"{_LA}: activation must be None, 'relu', 'gelu', 'gelu_tanh' or 'silu', got {activation!r}")
+    x2 = input.reshape(math.prod(input.shape[:-1]), k)
+    x2 = x2 if x2.stride(-1) == 1 or k <= 1 else x2.contiguous()
+    w = weight if weight.stride(-1) == 1 or k <= 1 else weight.contiguous()
+    grads = any(t is not None and t.requires_grad for t in (input, weight, bias))
+    y, _ = la.LINEAR_ACTIVATION(x2, w, bias, act, torch.is_grad_enabled() and grads)
+    return y.reshape(*input.shape[:-1], weight.shape[0])

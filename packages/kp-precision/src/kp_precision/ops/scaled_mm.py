@@ -72,6 +72,16 @@ def _expand(scale: torch.Tensor, rows: int, k: int, layout: tuple[int, bool], op
     return s.repeat_interleave(SCALE_K, 1)[:, :k] if along_k else s.expand(rows, k)
 
 
+def _reference_activation(activation: str):
+    return {
+        "none": lambda t: t,
+        "relu": torch.relu,
+        "gelu": torch.nn.functional.gelu,
+        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+        "silu": torch.nn.functional.silu,
+    }[activation]
+
+
 def _reference(a, b, scale_a, scale_b, bias, activation, out_dtype):
     """float32 PyTorch: dequantised operands, one matmul, the epilogue (the CPU path without Triton)."""
     m, k = a.shape
@@ -81,13 +91,7 @@ def _reference(a, b, scale_a, scale_b, bias, activation, out_dtype):
     y = af @ bf
     if bias is not None:
         y = y + bias.float()
-    y = {
-        "none": lambda t: t,
-        "relu": torch.relu,
-        "gelu": torch.nn.functional.gelu,
-        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-        "silu": torch.nn.functional.silu,
-    }[activation](y)
+    y = _reference_activation(activation)(y)
     return y.to(out_dtype)
 
 
@@ -127,7 +131,7 @@ def forward(
     soft = _soft(backend)
     a_in, b_in = (a.view(torch.uint8), bt.view(torch.uint8)) if soft else (a, bt)
     args = (a_in, a.stride(0), b_in, bt.stride(0), sa, sa_m, sa_k, sb, sb_k, sb_n)
-    args += (out if bias is None else bias, out, out.stride(0), m, n, k)
+    args += (out if bias is None else bias, out, out.stride(0), out, m, n, k)
     consts = dict(
         SA_ROWS=rows_a,
         SA_K=k_a,
@@ -136,6 +140,7 @@ def forward(
         SCALE_K=SCALE_K,
         HAS_BIAS=bias is not None,
         ACT=ACTIVATIONS.index(activation),
+        STORE_PRE=False,
         A_E5M2=a.dtype == torch.float8_e5m2,
         B_E5M2=b.dtype == torch.float8_e5m2,
         SOFT=soft,

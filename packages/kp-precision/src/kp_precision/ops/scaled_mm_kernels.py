@@ -65,6 +65,7 @@ def _scaled_mm(
     BIAS,
     C,
     stride_cm,
+    PRE,
     M,
     N,
     K,
@@ -75,6 +76,7 @@ def _scaled_mm(
     SCALE_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
+    STORE_PRE: tl.constexpr,
     A_E5M2: tl.constexpr,
     B_E5M2: tl.constexpr,
     SOFT: tl.constexpr,
@@ -85,7 +87,9 @@ def _scaled_mm(
 ):
     """C = act(sum_k A B * scales + bias). A scale's element for row m (column n) is at (m // SA_ROWS) *
     stride_sam (n // SB_COLS * stride_sbn); SA_K / SB_K say whether it also changes along K, every SCALE_K
-    elements (then its K index is k // SCALE_K). Tensorwise scales have stride 0."""
+    elements (then its K index is k // SCALE_K). Tensorwise scales have stride 0. STORE_PRE: also store the
+    value before the activation in PRE (C's strides), for a backward. With float16 / bfloat16 operands and unit
+    scales this is kp_precision's fused linear + activation."""
     pid = tl.program_id(0)
     # grouped order: GROUP_M row tiles share each column tile while it is in L2
     n_m = tl.cdiv(M, BLOCK_M)
@@ -123,6 +127,32 @@ def _scaled_mm(
         acc *= tl.load(sb_col, mask=rn < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    acc = _activation(acc, ACT)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
-    tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=mask)
+    offs = rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    if STORE_PRE:
+        tl.store(PRE + offs, acc.to(PRE.dtype.element_ty), mask=mask)
+    acc = _activation(acc, ACT)
+    tl.store(C + offs, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _activation_grad(DY, Z, DZ, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """DZ = DY * act'(Z), elementwise over n contiguous elements, in float32."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == RELU:
+        d = tl.where(z > 0, 1.0, 0.0)
+    elif ACT == GELU:  # Phi(z) + z * phi(z)
+        d = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+    elif ACT == GELU_TANH:  # 0.5 (1 + t) + 0.5 z (1 - t^2) u', t = tanh(u) = 2 sigmoid(2u) - 1
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+        d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * z * z)
+    elif ACT == SILU:  # s (1 + z (1 - s))
+        s = tl.sigmoid(z)
+        d = s * (1.0 + z * (1.0 - s))
+    else:
+        d = tl.full(z.shape, 1.0, tl.float32)
+    tl.store(DZ + offs, (dy * d).to(DZ.dtype.element_ty), mask=mask)

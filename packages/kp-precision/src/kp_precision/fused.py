@@ -1,0 +1,28 @@
+"""FusedLinearActivation: nn.Linear followed by an activation, as one GEMM with the bias and activation fused."""
+
+from torch import nn
+
+from kp_precision.functional import linear_activation
+
+
+class FusedLinearActivation(nn.Linear):
+    """act(x @ weight.T + bias) with kp_precision.linear_activation (float16 / bfloat16). Parameters and state_dict
+    are nn.Linear's; `from_linear(linear, activation)` shares a layer's parameters."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation="gelu"):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.activation = activation
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activation: str = "gelu") -> "FusedLinearActivation":
+        new = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, device="meta", activation=activation
+        )
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, x):
+        return linear_activation(x, self.weight, self.bias, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation}"
