@@ -20,6 +20,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 TIER = kc.current()
 DEVICE = kc.device()
 OP = "kp::linear_activation"
+OPS = (OP, "kp::linear_activation_backward")
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 EPILOGUE = {
     None: lambda t: t,
@@ -32,7 +33,7 @@ EPILOGUE = {
 kc.declare(
     kc.Spec(
         name="linear_activation",
-        ops=(OP,),
+        ops=OPS,
         reference=(
             "F.linear then the activation in float64 (autograd for gradients); PyTorch in the input's dtype for "
             "the 2x rule"
