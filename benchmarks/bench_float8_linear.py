@@ -73,59 +73,26 @@ def main() -> None:
             rows.append(row)
     meta = {"kernel": "float8_linear", "op": "float8_linear", "dtype": "bf16 activations, fp32 master weights"}
     meta.update(harness.versions())
-    md = render(meta, rows)
-    out = harness.write_results("float8_linear", meta, rows, md, lambda path: _plot(rows, meta, path))
+    note = (
+        "Cells: TFLOP/s (2*M*K*N forward, 6*M*K*N forward+backward); ratio, per recipe: kp's best / bf16's best, "
+        "and / torchao's same recipe."
+    )
+    md = harness.render_tflops("Float8 training linear", meta, rows, note, _ratios)
+    plot = lambda p: harness.plot_tflops(rows, meta, p, SHAPES, ["fwd", "fwd+bwd"], "float8 training linear")  # noqa: E731
+    out = harness.write_results("float8_linear", meta, rows, md, plot)
     print(md)
     print(f"wrote {out}")
 
 
-def render(meta, rows) -> str:
-    lines = [
-        f"# Float8 training linear, {meta['device']}",
-        "",
-        f"torch {meta['torch']}, triton {meta['triton']}. Cells: TFLOP/s (2*M*K*N forward, 6*M*K*N forward+backward); "
-        "the last column is kp's best / the best torchao provider of the same recipe and / bf16 cuBLAS.",
-    ]
-    names = list(dict.fromkeys(r["provider"] for r in rows))
-    for timing, title in (("graph", "CUDA graph replay"), ("eager", "plain launches")):
-        lines += ["", f"## {title}", "", "| M x K x N | mode | " + " | ".join(names) + " | ratios |"]
-        lines.append("|---|---|" + "---|" * (len(names) + 1))
-        for (m, k, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["K"], r["N"], r["mode"])):
-            by = {r["provider"]: r[f"tflops_{timing}"] for r in group if f"tflops_{timing}" in r}
-            cells = [f"{by[p]:.0f}" if p in by else "-" for p in names]
-            bf16 = max([v for p, v in by.items() if p.startswith("bf16")], default=0)
-            ratios = []
-            for recipe in RECIPES:
-                kp = max([v for p, v in by.items() if p.startswith(f"kp {recipe}")], default=0)
-                ao = max([v for p, v in by.items() if p.startswith(f"torchao {recipe}")], default=0)
-                if kp:
-                    vs_ao = f" / {kp / ao:.2f}x torchao" if ao else ""
-                    ratios.append(f"{recipe}: {kp / bf16:.2f}x bf16{vs_ao}" if bf16 else recipe)
-            lines.append(f"| {m} x {k} x {n} | {mode} | " + " | ".join(cells) + f" | {'; '.join(ratios)} |")
-    return "\n".join(lines) + "\n"
-
-
-def _plot(rows, meta, path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(SHAPES), figsize=(7 * len(SHAPES), 5), sharey=True)
-    for ax, (m, k, n) in zip(axes, SHAPES):
-        sub = [r for r in rows if (r["M"], r["K"], r["N"]) == (m, k, n) and "tflops_graph" in r]
-        names = list(dict.fromkeys(r["provider"] for r in sub))
-        modes = ("fwd", "fwd+bwd")
-        width = 0.8 / max(1, len(names))
-        for i, name in enumerate(names):
-            vals = [
-                next((r["tflops_graph"] for r in sub if r["provider"] == name and r["mode"] == md), 0) for md in modes
-            ]
-            ax.bar([j + i * width for j in range(len(modes))], vals, width, label=name)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes)
-        ax.set_title(f"{m} x {k} x {n}")
-    axes[0].set_ylabel("TFLOP/s, CUDA graph")
-    axes[-1].legend(fontsize=7)
-    fig.suptitle(f"float8 training linear, {meta['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _ratios(by: dict) -> str:
+    bf16 = max([v for p, v in by.items() if p.startswith("bf16")], default=0)
+    out = []
+    for recipe in RECIPES:
+        kp = max([v for p, v in by.items() if p.startswith(f"kp {recipe}")], default=0)
+        ao = max([v for p, v in by.items() if p.startswith(f"torchao {recipe}")], default=0)
+        if kp and bf16:
+            out.append(f"{recipe}: {kp / bf16:.2f}x bf16" + (f", {kp / ao:.2f}x torchao" if ao else ""))
+    return "; ".join(out) or "-"
 
 
 if __name__ == "__main__":

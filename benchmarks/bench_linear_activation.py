@@ -69,55 +69,18 @@ def main() -> None:
             rows.append(row)
     meta = {"kernel": "linear_activation", "op": "linear_activation", "dtype": "bfloat16"}
     meta.update(harness.versions())
-    md = render(meta, rows)
-    out = harness.write_results("linear_activation", meta, rows, md, lambda path: _plot(rows, meta, path))
+    note = "Cells: TFLOP/s (2*M*K*N forward, 6*M*K*N forward+backward); ratio: kp / the best anchor."
+    md = harness.render_tflops("Fused linear + GELU, bf16", meta, rows, note, _ratio)
+    modes = ["fwd", "fwd+bwd"]
+    plot = lambda p: harness.plot_tflops(rows, meta, p, SHAPES, modes, "linear + gelu, bf16")  # noqa: E731
+    out = harness.write_results("linear_activation", meta, rows, md, plot)
     print(md)
     print(f"wrote {out}")
 
 
-def render(meta, rows) -> str:
-    lines = [
-        f"# Fused linear + GELU, bf16, {meta['device']}",
-        "",
-        f"torch {meta['torch']}, triton {meta['triton']}. Cells: TFLOP/s (2*M*K*N forward, 6*M*K*N forward+backward); "
-        "the last column is kp / the best anchor.",
-    ]
-    names = list(dict.fromkeys(r["provider"] for r in rows))
-    for timing, title in (("graph", "CUDA graph replay"), ("eager", "plain launches")):
-        lines += ["", f"## {title}", "", "| M x K x N | mode | " + " | ".join(names) + " | kp / best anchor |"]
-        lines.append("|---|---|" + "---|" * (len(names) + 1))
-        for (m, k, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["K"], r["N"], r["mode"])):
-            by = {r["provider"]: r[f"tflops_{timing}"] for r in group if f"tflops_{timing}" in r}
-            cells = [f"{by[p]:.0f}" if p in by else "-" for p in names]
-            anchors = [v for p, v in by.items() if p != "kp"]
-            ratio = f"{by['kp'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
-            lines.append(f"| {m} x {k} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
-    return "\n".join(lines) + "\n"
-
-
-def _plot(rows, meta, path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
-    for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
-        sub = [r for r in rows if r["mode"] == mode and "tflops_graph" in r]
-        names = list(dict.fromkeys(r["provider"] for r in sub))
-        width = 0.8 / max(1, len(names))
-        for i, name in enumerate(names):
-            vals = [
-                next((r["tflops_graph"] for r in sub if r["provider"] == name and (r["M"], r["K"], r["N"]) == s), 0)
-                for s in SHAPES
-            ]
-            ax.bar([j + i * width for j in range(len(SHAPES))], vals, width, label=name)
-        ax.set_xticks(
-            [j + 0.4 - width / 2 for j in range(len(SHAPES))], [f"{m}x{k}x{n}" for m, k, n in SHAPES], fontsize=7
-        )
-        ax.set_title(f"linear + gelu {mode} (CUDA graph)")
-    axes[0].set_ylabel("TFLOP/s")
-    axes[1].legend(fontsize=7)
-    fig.suptitle(meta["device"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _ratio(by: dict) -> str:
+    anchors = [v for p, v in by.items() if p != "kp"]
+    return f"{by['kp'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
 
 
 if __name__ == "__main__":

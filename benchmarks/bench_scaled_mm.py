@@ -127,53 +127,19 @@ def main() -> None:
             rows.append(row)
     meta = {"kernel": "scaled_mm", "op": "scaled_mm", "dtype": "float8_e4m3fn -> bfloat16"}
     meta.update(harness.versions())
-    md = render(meta, rows)
-    out = harness.write_results("scaled_mm", meta, rows, md, lambda path: _plot(rows, meta, path))
+    note = "Cells: TFLOP/s (2*M*N*K / time); ratio: kp / the best float8 anchor (bf16 torch.mm is the dense baseline)."
+    md = harness.render_tflops("Float8 scaled matmul, e4m3 x e4m3 -> bf16", meta, rows, note, _ratio)
+    title = "float8 scaled matmul, e4m3 -> bf16"
+    out = harness.write_results(
+        "scaled_mm", meta, rows, md, lambda p: harness.plot_tflops(rows, meta, p, SHAPES, MODES, title)
+    )
     print(md)
     print(f"wrote {out}")
 
 
-def render(meta, rows) -> str:
-    lines = [
-        f"# Float8 scaled matmul, e4m3 x e4m3 -> bf16, {meta['device']}",
-        "",
-        f"torch {meta['torch']}, triton {meta['triton']}. Cells: TFLOP/s (2*M*N*K / time); kp / best float8 "
-        "anchor in the last column (bf16 torch.mm is the dense baseline, not an anchor for the ratio).",
-    ]
-    names = list(dict.fromkeys(r["provider"] for r in rows))
-    for timing, title in (("graph", "CUDA graph replay"), ("eager", "plain launches")):
-        lines += ["", f"## {title}", "", "| M x K x N | mode | " + " | ".join(names) + " | kp / best anchor |"]
-        lines.append("|---|---|" + "---|" * (len(names) + 1))
-        for (m, k, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["K"], r["N"], r["mode"])):
-            by = {r["provider"]: r[f"tflops_{timing}"] for r in group if f"tflops_{timing}" in r}
-            cells = [f"{by[p]:.0f}" if p in by else "-" for p in names]
-            anchors = [v for p, v in by.items() if p not in ("kp", "bf16 torch.mm")]
-            ratio = f"{by['kp'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
-            lines.append(f"| {m} x {k} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
-    return "\n".join(lines) + "\n"
-
-
-def _plot(rows, meta, path) -> None:
-    """TFLOP/s (graph timing) per recipe at each shape, kp beside the anchors."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(SHAPES), figsize=(4.5 * len(SHAPES), 4.5), sharey=True)
-    for ax, (m, k, n) in zip(axes, SHAPES):
-        sub = [r for r in rows if (r["M"], r["K"], r["N"]) == (m, k, n) and "tflops_graph" in r]
-        names = list(dict.fromkeys(r["provider"] for r in sub))
-        width = 0.8 / max(1, len(names))
-        for i, name in enumerate(names):
-            vals = [
-                next((r["tflops_graph"] for r in sub if r["provider"] == name and r["mode"] == md), 0) for md in MODES
-            ]
-            ax.bar([j + i * width for j in range(len(MODES))], vals, width, label=name)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(MODES))], MODES, rotation=30, fontsize=8)
-        ax.set_title(f"{m} x {k} x {n}", fontsize=9)
-    axes[0].set_ylabel("TFLOP/s, CUDA graph")
-    axes[-1].legend(fontsize=7)
-    fig.suptitle(f"float8 scaled matmul, e4m3 -> bf16, {meta['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _ratio(by: dict) -> str:
+    anchors = [v for p, v in by.items() if p not in ("kp", "bf16 torch.mm")]
+    return f"{by['kp'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
 
 
 if __name__ == "__main__":

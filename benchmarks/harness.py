@@ -159,3 +159,41 @@ def wall_us_per_call(call, iters: int = 200, warmup: int = 20) -> float:
         call()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters * 1e6
+
+
+def render_tflops(title: str, meta: dict, rows: list[dict], note: str, ratio) -> str:
+    """A matmul benchmark's results markdown: per timing, a table of TFLOP/s per provider for each (M, K, N,
+    mode), its last column ratio({provider: TFLOP/s}) (a string)."""
+    lines = [f"# {title}, {meta['device']}", "", f"torch {meta['torch']}, triton {meta['triton']}. {note}"]
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    for timing, heading in (("graph", "CUDA graph replay"), ("eager", "plain launches")):
+        lines += ["", f"## {heading}", "", "| M x K x N | mode | " + " | ".join(names) + " | ratio |"]
+        lines.append("|---|---|" + "---|" * (len(names) + 1))
+        for (m, k, n, mode), group in itertools.groupby(rows, key=lambda r: (r["M"], r["K"], r["N"], r["mode"])):
+            by = {r["provider"]: r[f"tflops_{timing}"] for r in group if f"tflops_{timing}" in r}
+            cells = [f"{by[p]:.0f}" if p in by else "-" for p in names]
+            lines.append(f"| {m} x {k} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio(by) if by else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_tflops(rows: list[dict], meta: dict, path, shapes: list, modes: list, title: str) -> None:
+    """TFLOP/s (graph timing): one panel per (M, K, N) shape, bars per mode and provider."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 4.5), sharey=True, squeeze=False)
+    for ax, (m, k, n) in zip(axes[0], shapes):
+        sub = [r for r in rows if (r["M"], r["K"], r["N"]) == (m, k, n) and "tflops_graph" in r]
+        names = list(dict.fromkeys(r["provider"] for r in sub))
+        width = 0.8 / max(1, len(names))
+        for i, name in enumerate(names):
+            vals = [
+                next((r["tflops_graph"] for r in sub if r["provider"] == name and r["mode"] == md), 0) for md in modes
+            ]
+            ax.bar([j + i * width for j in range(len(modes))], vals, width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes, rotation=30, fontsize=8)
+        ax.set_title(f"{m} x {k} x {n}", fontsize=9)
+    axes[0][0].set_ylabel("TFLOP/s, CUDA graph")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"{title}, {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from kp_precision.ops.quantize_kernels import _tile_of
+
 
 @triton.jit
 def _fake_quantize(
@@ -20,11 +22,7 @@ def _fake_quantize(
 ):
     """One BLOCK_M x BLOCK_K tile, BLOCK_K a multiple of GROUP (a row's groups of GROUP columns; a whole row when
     GROUP = BLOCK_K >= K): scale = max(amax, EPS) / QMAX, y = clamp(rint(x / scale), -QMAX - 1, QMAX) * scale."""
-    n_k = tl.cdiv(K, BLOCK_K)
-    pid = tl.program_id(0)
-    rows = (pid // n_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows, cols, mask, _ = _tile_of(M, K, BLOCK_M, BLOCK_K)
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x3 = tl.reshape(x, (BLOCK_M, BLOCK_K // GROUP, GROUP))

@@ -7,7 +7,8 @@ A block is 32 consecutive elements of a row; its scale is an E8M0 byte (2**(s - 
 import triton
 import triton.language as tl
 
-from kp_precision.ops.quantize_kernels import _abs_bits, _fp8_value, _minifloat_bits, _minifloat_value
+from kp_precision.ops.quantize_kernels import _abs_bits, _fp8_value, _minifloat_bits, _minifloat_value, _tile_of
+from kp_precision.ops.scaled_mm_kernels import _grouped_tile
 
 FP4 = tl.constexpr(2)
 
@@ -70,18 +71,14 @@ def _mx_quantize(
     """One BLOCK_M x BLOCK_K tile (BLOCK_K a multiple of 32, K too): per 32-element block, the shared exponent
     floor(log2 amax) - EMAX (clamped to the E8M0 range; a NaN or inf amax gives the NaN scale), the elements
     x / 2**shared saturated to +-MAXV and rounded to nearest-even."""
-    n_k = tl.cdiv(K, BLOCK_K)
-    pid = tl.program_id(0)
-    rows = (pid // n_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows, cols, mask, k0 = _tile_of(M, K, BLOCK_M, BLOCK_K)
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     G: tl.constexpr = BLOCK_K // 32
     x3 = tl.reshape(x, (BLOCK_M, G, 32))
     amax = tl.max(_abs_bits(x3), axis=2)  # (BLOCK_M, G) float32 bits: the exponent field is floor(log2 amax)
     shared = tl.minimum(tl.maximum((amax >> 23) - 127 - EMAX, -127), 127)
-    groups = (pid % n_k) * G + tl.arange(0, G)
+    groups = k0 // 32 + tl.arange(0, G)
     s_mask = (rows < M)[:, None] & (groups < K // 32)[None, :]
     s_bits = tl.where(amax >= 0x7F800000, 255, shared + 127)
     tl.store(S + r64 * stride_s + groups[None, :], s_bits.to(tl.uint8), mask=s_mask)
@@ -91,7 +88,7 @@ def _mx_quantize(
     y = tl.reshape(y, (BLOCK_M, BLOCK_K))
     if ELEM == FP4:
         lo, hi = tl.split(tl.reshape(_encode(y, ELEM), (BLOCK_M, BLOCK_K // 2, 2)))
-        half = (pid % n_k) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         h_mask = (rows < M)[:, None] & (half < K // 2)[None, :]
         tl.store(Y + r64 * stride_y + half[None, :], (lo | (hi << 4)).to(tl.uint8), mask=h_mask)
     elif SOFT:  # Y is a uint8 view of the float8 data
@@ -115,11 +112,7 @@ def _mx_dequantize(
     BLOCK_K: tl.constexpr,
 ):
     """OUT = element * 2**(scale - 127) in float32, rounded once to OUT's dtype."""
-    n_k = tl.cdiv(K, BLOCK_K)
-    pid = tl.program_id(0)
-    rows = (pid // n_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows, cols, mask, k0 = _tile_of(M, K, BLOCK_M, BLOCK_K)
     r64 = rows.to(tl.int64)[:, None]
     v = _elements(Y, rows, stride_y, cols, M, K, ELEM)
     s = tl.load(S + r64 * stride_s + (cols // 32)[None, :], mask=mask, other=127).to(tl.int32)
@@ -150,16 +143,7 @@ def _mx_matmul(
     """C = A @ B.T with A (M, K), B (N, K) in MX: per 32-deep block, the elements' dot product (decoded to
     float32, which holds every element exactly, as do TF32 tensor cores: the products are exact) times both
     blocks' scales, summed in float32. Emulation: Hopper has no MX tensor cores."""
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * n_n)
-    first_m = group * GROUP_M
-    size_m = min(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rk = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, 32):

@@ -94,6 +94,18 @@ def _fp8_value(b, E5M2: tl.constexpr):
 
 
 @triton.jit
+def _tile_of(M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's tile of an (M, K) array cut into BLOCK_M x BLOCK_K tiles (row-major order of tiles): its
+    rows, its columns, their in-bounds mask and its first column."""
+    n_k = tl.cdiv(K, BLOCK_K)
+    pid = tl.program_id(0)
+    k0 = (pid % n_k) * BLOCK_K
+    rows = (pid // n_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    return rows, cols, (rows < M)[:, None] & (cols < K)[None, :], k0
+
+
+@triton.jit
 def _store_fp8(ptr, y, mask, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, SOFT: tl.constexpr):
     """Saturate y to +-FP8_MAX (NaN stays NaN, inf saturates), round to nearest-even and store."""
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
@@ -106,11 +118,7 @@ def _store_fp8(ptr, y, mask, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, SOFT: tl
 @triton.jit
 def _amax(X, stride_x, AMAX, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """AMAX (int32 bits, zero on entry) = max |x| over the tensor: one tile per program, an atomic max each."""
-    n_k = tl.cdiv(K, BLOCK_K)
-    pid = tl.program_id(0)
-    rows = (pid // n_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows, cols, mask, k0 = _tile_of(M, K, BLOCK_M, BLOCK_K)
     x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.atomic_max(AMAX, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
 
@@ -235,11 +243,7 @@ def _dequantize(
     """y = data * SCALE[row // BM, col // BK] (scale strides 0 along a dimension one scale covers). SOFT: the
     data is read as uint8 bits and decoded in integer arithmetic (the interpreter's float8 upcast gets NaN and
     inf wrong)."""
-    n_k = tl.cdiv(K, BLOCK_K)
-    pid = tl.program_id(0)
-    rows = (pid // n_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows, cols, mask, k0 = _tile_of(M, K, BLOCK_M, BLOCK_K)
     r64 = rows.to(tl.int64)[:, None]
     raw = tl.load(D + r64 * stride_d + cols[None, :], mask=mask)  # masked lanes are never stored
     if SOFT:

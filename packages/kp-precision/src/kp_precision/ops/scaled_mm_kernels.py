@@ -37,6 +37,20 @@ def _dot(a, b, acc, SOFT: tl.constexpr):
 
 
 @triton.jit
+def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The rows and columns of this program's tile of C, in grouped order: GROUP_M row tiles share each column
+    tile while its B block is in L2."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * n_n)) * GROUP_M
+    size_m = min(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _activation(y, ACT: tl.constexpr):
     if ACT == RELU:
         y = tl.maximum(y, 0.0)
@@ -90,17 +104,7 @@ def _scaled_mm(
     elements (then its K index is k // SCALE_K). Tensorwise scales have stride 0. STORE_PRE: also store the
     value before the activation in PRE (C's strides), for a backward. With float16 / bfloat16 operands and unit
     scales this is kp_precision's fused linear + activation."""
-    pid = tl.program_id(0)
-    # grouped order: GROUP_M row tiles share each column tile while it is in L2
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * n_n)
-    first_m = group * GROUP_M
-    size_m = min(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rk = tl.arange(0, BLOCK_K)
     a_ptr = A + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
     b_ptr = B + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]
