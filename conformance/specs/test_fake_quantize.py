@@ -110,6 +110,20 @@ def test_ties_and_edges(dtype):
         check(x, fmt, group)
 
 
+@pytest.mark.conformance(kernel="fake_quantize", prop="values")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_many_tiles(dtype):
+    """Tiles pinned small (64 elements a program): 32-wide rows two per program, and 2048-wide rows in two
+    1024-wide column tiles, so rows and columns both span several programs."""
+    kc.skip_if_not_covered(dtype)
+    narrow = kc.make_input((150, 32), dtype, DEVICE, "row_strided", seed=7, family="mixed")
+    wide = kc.make_input((5, 2048), dtype, DEVICE, "contiguous", seed=8, family="one_huge")
+    # the interpreter multiplies the element count by 16 (kp_precision.ops.fake_quantize)
+    with kp_core.pinned("_fake_quantize", elements=64 if DEVICE.type == "cuda" else 4):
+        for x, fmt, group in ((narrow, "int8", None), (narrow, "int4", 16), (wide, "int4", 32), (wide, "int8", None)):
+            check(x, fmt, group)
+
+
 @pytest.mark.conformance(kernel="fake_quantize", prop="gradient")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_gradient_is_straight_through(dtype):

@@ -23,7 +23,8 @@ SPEC = "fake_quantize"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 EPS = 1e-12
 MAX_ROW = 65536  # a whole-row group is one tile
-# elements per program on a GPU (the interpreter: x16, see quantize.INTERPRET_SCALE), num_warps
+# elements per program on a GPU (the interpreter: x16, see quantize.INTERPRET_SCALE), num_warps; a test or a
+# benchmark may pin others (kp_core.pin("_fake_quantize", ...))
 TILE = (4096, 8)
 
 
@@ -53,7 +54,8 @@ def forward(x: torch.Tensor, qmax: int, group: int) -> torch.Tensor:
         g = group or k
         y2.copy_((q.view(m, -1, g) * s.unsqueeze(-1)).view(m, k))
         return y
-    elements, warps = TILE
+    s = kp_core.settings("_fake_quantize", elements=TILE[0], num_warps=TILE[1])
+    elements, warps = s["elements"], s["num_warps"]
     if backend == kp_core.INTERPRET:
         elements *= 16
     bk = kp_core.next_power_of_2(k) if group == 0 else max(group, min(1024, kp_core.next_power_of_2(k)))
