@@ -150,6 +150,26 @@ def every_value(fp8):
     return torch.cat([v, mid, torch.nextafter(mid, up), torch.nextafter(mid, down), extra])
 
 
+@pytest.mark.conformance(kernel="quantize", prop="values")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_many_tiles(dtype):
+    """Tile kernels pinned to 64 elements a program (4 under the interpreter's x16), so rows and columns span
+    several programs even at the smallest tier: 24-wide rows two to a program (tiles of 2 x 32), 2100-wide rows
+    in three 1024-wide column tiles."""
+    kp_core_pins = [kp_core.pinned(k, elements=64 if DEVICE.type == "cuda" else 4) for k in quantize_mod.TILES]
+    narrow = kc.make_input((150, 24), dtype, DEVICE, "row_strided", seed=7, family="mixed")
+    wide = kc.make_input((5, 2100), dtype, DEVICE, "contiguous", seed=8, family="one_huge")
+    with contextlib.ExitStack() as stack:
+        for pin in kp_core_pins:
+            stack.enter_context(pin)
+        for x in (narrow, wide):
+            for granularity, block in (("tensorwise", None), ("blockwise", (1, 16))):
+                t = check(x, torch.float8_e4m3fn, granularity, block)
+                if dtype != torch.bfloat16 or not kc.interpreting():
+                    check_dequantize(t, dtype)
+            check(x, torch.float8_e5m2, "tensorwise", None, torch.tensor(0.5, device=DEVICE))
+
+
 @pytest.mark.conformance(kernel="quantize", prop="every_value")
 @pytest.mark.parametrize("fp8", FP8, ids=kc.dtype_id)
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise", "looped", "blockwise", "square"])
