@@ -295,6 +295,8 @@ def mutated_line(src_dir: Path, m: Mutant) -> str:
 
 def run(root: Path, package: str, mutants: list[Mutant], equivalent: dict, opts) -> tuple[list[Result], float]:
     src_rel = Path("packages") / package / "src"
+    # the mutated lines for the report, read now: the working tree may change while the mutants run
+    lines = {m.id: mutated_line(root / src_rel, m) for m in mutants}
     with tempfile.TemporaryDirectory(prefix="kp-mutants-") as tmp:
         trees = queue.Queue()  # one copy of the repo per job; a job restores its file after each mutant
         for j in range(opts.jobs):
@@ -309,7 +311,7 @@ def run(root: Path, package: str, mutants: list[Mutant], equivalent: dict, opts)
         stop_at = START + opts.deadline if opts.deadline else None
 
         def one(m: Mutant) -> Result:
-            r = Result(m.id, m.function, m.kind, mutated_line(root / src_rel, m), detail=equivalent.get(m.id, ""))
+            r = Result(m.id, m.function, m.kind, lines[m.id], detail=equivalent.get(m.id, ""))
             if m.id in equivalent:
                 return r
             if stop_at and time.monotonic() > stop_at:
