@@ -46,6 +46,7 @@ def train(net, rank, world):
 
 def worker(rank, world, port, out):
     os.environ["KP_BACKEND"] = "reference"
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         net = model()
@@ -58,8 +59,13 @@ def worker(rank, world, port, out):
         full = {k: v.full_tensor() for k, v in net.state_dict().items()}
         if rank == 0:
             torch.save({"losses": losses / world, "state": full}, out)
+        dist.barrier()  # no rank tears gloo down while the other still uses it
     finally:
         dist.destroy_process_group()
+    # Leave without running the interpreter's and C++ static destructors: gloo's teardown at exit aborted now and
+    # then ("terminate called without an active exception", about 1 run in 10 on 2 CPU cores) after the results
+    # were written; the results, not the exit path, are what this test is about.
+    os._exit(0)
 
 
 def test_fully_shard_matches_one_process(tmp_path, monkeypatch):

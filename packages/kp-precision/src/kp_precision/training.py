@@ -217,7 +217,8 @@ class Float8Linear(nn.Linear):
             histories = (self.amax_history_x, self.amax_history_w, self.amax_history_grad)
             first, self._history_filled = not self._history_filled, True
         y = _Float8Matmul.apply(x2, self.weight, bias, self.config, histories, first)
-        return y[:m].reshape(*lead, self.out_features)
+        y = y[:m] if x2.shape[0] != m else y  # a 2-D input gets the matmul's own tensor, not a view (FSDP2 warns)
+        return y if x.dim() == 2 else y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.config.recipe}, scaling={self.config.scaling}"
