@@ -32,9 +32,10 @@ def layers(k: int, n: int) -> dict:
         f8 = kp_precision.Float8Linear.from_linear(copy.deepcopy(base), config=kp_precision.Float8Config(recipe))
         out[f"kp {recipe}"] = f8
         out[f"kp {recipe} (compile)"] = torch.compile(f8)
+        if recipe == "blockwise":
+            print("torchao blockwise: not compared (its blockwise float8 training is a prototype with its own API)")
+            continue
         try:
-            if recipe == "blockwise":
-                raise NotImplementedError("torchao's blockwise float8 training is a prototype with its own API")
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
             ao = convert_to_float8_training(

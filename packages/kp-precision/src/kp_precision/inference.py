@@ -10,32 +10,18 @@ per row, 1 x 128 blocks) and runs one float8 matmul with bias and the optional a
 import torch
 from torch import nn
 
-from kp_precision.functional import quantize, scaled_mm
+from kp_precision.functional import scaled_mm
 from kp_precision.ops.scaled_mm import ACTIVATIONS
 from kp_precision.swap import swap_linears
-from kp_precision.training import RECIPES, check_input
+from kp_precision.training import RECIPES, Float8Config, _cast, _scale_t, check_input
 
 E4M3 = torch.float8_e4m3fn
 
 
-def _activation_cast(x2, recipe):
-    if recipe == "tensorwise":
-        return quantize(x2, E4M3)
-    if recipe == "rowwise":
-        return quantize(x2, E4M3, granularity="rowwise")
-    return quantize(x2, E4M3, granularity="blockwise")
-
-
-def _weight_cast(w, recipe):
+def _weight_cast(w, config):
     """(float8 data (N, K), the scale as scaled_mm's scale_b for data.t())."""
-    if recipe == "tensorwise":
-        q = quantize(w, E4M3)
-        return q.data, q.scale
-    if recipe == "rowwise":
-        q = quantize(w, E4M3, granularity="rowwise")
-    else:
-        q = quantize(w, E4M3, granularity="blockwise", block=(128, 128))
-    return q.data, q.scale.t()
+    q = _cast(w, E4M3, config, weight=True)
+    return q.data, _scale_t(q.scale)
 
 
 class Float8InferenceLinear(nn.Module):
@@ -67,7 +53,8 @@ class Float8InferenceLinear(nn.Module):
             recipe,
             activation,
         )
-        data, scale = _weight_cast(torch.zeros(out_features, in_features, device=device), recipe)
+        self._cast_config = Float8Config(recipe, power_of_2=False)  # the training recipe's casts, exact scales
+        data, scale = _weight_cast(torch.zeros(out_features, in_features, device=device), self._cast_config)
         self.register_buffer("weight", data)
         self.register_buffer("weight_scale", scale.contiguous())
         self.bias = (
@@ -80,7 +67,7 @@ class Float8InferenceLinear(nn.Module):
         if tuple(weight.shape) != (self.out_features, self.in_features):
             expected = (self.out_features, self.in_features)
             raise ValueError(f"Float8InferenceLinear: weight must have shape {expected}, got {tuple(weight.shape)}")
-        data, scale = _weight_cast(weight.detach().to(self.weight.device), self.recipe)
+        data, scale = _weight_cast(weight.detach().to(self.weight.device), self._cast_config)
         self.weight = data
         self.weight_scale = scale.contiguous()
 
@@ -93,7 +80,7 @@ class Float8InferenceLinear(nn.Module):
             and w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
             and prefix + "weight_scale" not in state_dict
         ):
-            data, scale = _weight_cast(w.to(self.weight.device), self.recipe)
+            data, scale = _weight_cast(w.to(self.weight.device), self._cast_config)
             state_dict[key], state_dict[prefix + "weight_scale"] = data, scale.contiguous()
 
     @classmethod
@@ -115,7 +102,7 @@ class Float8InferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input("Float8InferenceLinear", x, self.in_features)
         x2 = x.reshape(-1, self.in_features)
-        qx = _activation_cast(x2, self.recipe)
+        qx = _cast(x2, E4M3, self._cast_config)
         bias = self.bias
         if bias is not None and bias.dtype not in (torch.float32, x.dtype):
             bias = bias.float()
