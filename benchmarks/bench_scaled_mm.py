@@ -46,18 +46,32 @@ def operands(m, k, n, mode):
 def providers(mode: str, m: int, k: int, n: int) -> dict:
     a, b, sa, sb, bias = operands(m, k, n, mode)
     act = "gelu" if "gelu" in mode else None
-    out = {"kp": lambda: kp_precision.scaled_mm(a, b, sa, sb, bias=bias, activation=act, out_dtype=torch.bfloat16)}
+
+    def kp(fast, route=True):
+        def f():
+            with kp_core.pinned("scaled_mm_route", cublas=route):
+                return kp_precision.scaled_mm(
+                    a, b, sa, sb, bias=bias, activation=act, out_dtype=torch.bfloat16, use_fast_accum=fast
+                )
+
+        return f
+
+    out = {"kp": kp(False), "kp fast": kp(True)}
     if mode != "blockwise":
-        if act:  # cuBLASLt takes the bias; the activation is one more pass over C
-            out["torch._scaled_mm + gelu"] = lambda: F.gelu(
-                torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
-            )
-        else:
-            out["torch._scaled_mm"] = lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+        out["kp kernel (precise, route off)"] = kp(False, route=False)
+        for fast, tag in ((False, ""), (True, " fast")):
+            if act:  # cuBLASLt takes the bias; the activation is one more pass over C
+                out[f"torch._scaled_mm{tag} + gelu"] = lambda fast=fast: F.gelu(
+                    torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=fast)
+                )
+            else:
+                out[f"torch._scaled_mm{tag}"] = lambda fast=fast: torch._scaled_mm(
+                    a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast
+                )
     else:
         try:
             recipe = F.ScalingType
-            sa_c, sb_c = sa.contiguous(), sb.t().contiguous().t()  # layouts cuBLASLt's blockwise recipe takes
+            sa_c, sb_c = sa.t().contiguous().t(), sb.t().contiguous().t()  # the layouts cuBLASLt's recipe takes
             f = lambda: F.scaled_mm(a, b, sa_c, recipe.BlockWise1x128, sb_c, recipe.BlockWise128x128)  # noqa: E731
             f()
             out["F.scaled_mm blockwise"] = f
@@ -71,7 +85,9 @@ def providers(mode: str, m: int, k: int, n: int) -> dict:
 def check_correct(args) -> None:
     """Before timing: kp within 1 % (relative Frobenius) of the float32 matmul of the dequantised operands."""
     a, b, sa, sb, bias, act = args
-    y = kp_precision.scaled_mm(a, b, sa, sb, bias=bias, activation=act, out_dtype=torch.float32)
+    y = kp_precision.scaled_mm(
+        a, b, sa, sb, bias=None if bias is None else bias.float(), activation=act, out_dtype=torch.float32
+    )
     m, k = a.shape
     ea = sa.reshape(1, 1) if sa.numel() == 1 else sa.repeat_interleave(k // sa.shape[1], 1)
     eb = sb.reshape(1, 1) if sb.numel() == 1 else sb.t().repeat_interleave(k // sb.shape[0], 1)
@@ -127,7 +143,11 @@ def main() -> None:
             rows.append(row)
     meta = {"kernel": "scaled_mm", "op": "scaled_mm", "dtype": "float8_e4m3fn -> bfloat16"}
     meta.update(harness.versions())
-    note = "Cells: TFLOP/s (2*M*N*K / time); ratio: kp / the best float8 anchor (bf16 torch.mm is the dense baseline)."
+    note = (
+        "Cells: TFLOP/s (2*M*N*K / time). kp: use_fast_accum=False (precise: tensorwise and rowwise go to "
+        "torch._scaled_mm, see the route), kp fast: use_fast_accum=True (kp's kernel). Ratio: kp / torch at the same "
+        "accumulation (bf16 torch.mm is the dense baseline)."
+    )
     md = harness.render_tflops("Float8 scaled matmul, e4m3 x e4m3 -> bf16", meta, rows, note, _ratio)
     title = "float8 scaled matmul, e4m3 -> bf16"
     out = harness.write_results(
@@ -138,8 +158,15 @@ def main() -> None:
 
 
 def _ratio(by: dict) -> str:
-    anchors = [v for p, v in by.items() if p not in ("kp", "bf16 torch.mm")]
-    return f"{by['kp'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
+    """kp / torch at the same accumulation (precise: torch._scaled_mm, fast: its use_fast_accum=True)."""
+    out = []
+    for tag in ("", " fast"):
+        ours = by.get(f"kp{tag}")
+        theirs = [v for p, v in by.items() if p.startswith("torch._scaled_mm") and (" fast" in p) == bool(tag)]
+        theirs += [v for p, v in by.items() if p.startswith("F.scaled_mm")]
+        if ours and theirs:
+            out.append(f"{tag.strip() or 'precise'} {ours / max(theirs):.2f}x")
+    return ", ".join(out) or "-"
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-SRC=packages/kp-core/src:packages/kp-norms/src:packages/kp-attention/src:conformance/src:benchmarks
+SRC=packages/kp-core/src:packages/kp-norms/src:packages/kp-attention/src:packages/kp-precision/src:conformance/src:benchmarks
 LIMIT=${STEP_TIMEOUT:-540}
 touch /tmp/session_start
 status=0

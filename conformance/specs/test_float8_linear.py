@@ -4,10 +4,14 @@ Reference: each recipe written out in plain PyTorch from its description (kp_pre
 torchao's float8 recipes, DeepSeek-V3's blockwise one): every operand cast by the float8 recipe
 (kp_conformance.references.quantize_fp8, bit-exact with torch's own cast), dequantised exactly, and the three
 matmuls (y = x w^T + b, gx = gy w, gw = gy^T x) in float64; PyTorch's low-precision run of the same recipe does
-them in float32 and rounds to the input's dtype. The 2x rule judges the output and every gradient.
+them with torch._scaled_mm on the same float8 operands (the forward with fast accumulation, as the layer's
+default; kp_conformance.references.scaled_mm_lowp), scales in float32, and rounds to the input's dtype. The 2x
+rule judges the output and every gradient. The route of precise matmuls to torch._scaled_mm is pinned off, so
+every matmul is kp's kernel.
 """
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -20,7 +24,7 @@ from torch import nn
 import kp_conformance as kc
 import kp_core
 import kp_precision
-from kp_conformance.references import dequantize_fp8, quantize_fp8
+from kp_conformance.references import quantize_fp8, scale_of_each, scaled_mm_lowp
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the input's (and output's) dtype
 TIER = kc.current()
@@ -59,8 +63,34 @@ kc.declare(
 )
 
 
+class Cast:
+    """A 2-D operand cast by the recipe: its float8 data and every element's float32 scale."""
+
+    def __init__(self, data, scale):
+        self.data, self.scale = data, scale
+
+    def t(self):
+        return Cast(self.data.t(), self.scale.t())
+
+    def __call__(self, dtype):  # dequantised, exactly in float64
+        return self.data.to(dtype) * self.scale.to(dtype)
+
+
+def matmul(a, b, dtype, fast=False):
+    """a @ b of two Casts: float64 of the dequantised operands, or PyTorch's float8 GEMM (float32)."""
+    if dtype == torch.float64:
+        return a(dtype) @ b(dtype)
+    return scaled_mm_lowp(a.data, b.data, a.scale, b.scale, fast)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_only():
+    with kp_core.pinned("scaled_mm_route", cublas=False):
+        yield
+
+
 def cast(t, fp8, config, weight=False, given=None):
-    """(dequantise(dtype) function, data, scale) of t cast along its last dim by the recipe."""
+    """(Cast, amax) of t cast along its last dim by the recipe."""
     if config.recipe == "tensorwise":
         gran, block = "tensorwise", None
     elif config.recipe == "rowwise":
@@ -69,7 +99,7 @@ def cast(t, fp8, config, weight=False, given=None):
         gran, block = "blockwise", (128, 128) if weight else (1, 128)
     pow2 = config.pow2 and given is None
     data, scale, amax = quantize_fp8(t, fp8, gran, block, given=given, power_of_2=pow2)
-    return lambda dtype: dequantize_fp8(data, scale, gran, block, dtype), amax
+    return Cast(data, scale_of_each(data, scale, gran, block)), amax
 
 
 def recipe(x2, w, b, gy, config, dtype, given=(None, None, None)):
@@ -79,24 +109,21 @@ def recipe(x2, w, b, gy, config, dtype, given=(None, None, None)):
     gfp8 = config.gradient
     qg, _ = cast(gy, gfp8, config, given=given[2])
     if config.recipe == "rowwise":  # the backward's casts along the other dimension
-        qwt, _ = cast(w.t().contiguous(), E4M3, config)
-        wb = lambda d: qwt(d).t()  # noqa: E731
-        qgt, _ = cast(gy.t().contiguous(), gfp8, config)
-        qxt, _ = cast(x2.t().contiguous(), E4M3, config)
-        gt, xb = lambda d: qgt(d), lambda d: qxt(d).t()  # noqa: E731
+        wb = cast(w.t().contiguous(), E4M3, config)[0].t()
+        gt = cast(gy.t().contiguous(), gfp8, config)[0]
+        xb = cast(x2.t().contiguous(), E4M3, config)[0].t()
     elif config.recipe == "blockwise":
         wb = qw
-        qgt, _ = cast(gy.t().contiguous(), gfp8, config)
-        qxt, _ = cast(x2.t().contiguous(), E4M3, config)
-        gt, xb = lambda d: qgt(d), lambda d: qxt(d).t()  # noqa: E731
+        gt = cast(gy.t().contiguous(), gfp8, config)[0]
+        xb = cast(x2.t().contiguous(), E4M3, config)[0].t()
     else:
-        wb, gt, xb = qw, lambda d: qg(d).t(), qx  # noqa: E731
+        wb, gt, xb = qw, qg.t(), qx
     out = {}
     for d in (torch.float64, torch.float32):  # the reference, then PyTorch in low precision
-        y = qx(d) @ qw(d).t() + (0 if b is None else b.to(d))
+        y = matmul(qx, qw.t(), d, config.fast_accum_output) + (0 if b is None else b.to(d))
         out.setdefault("y", []).append(y)
-        out.setdefault("gx", []).append(qg(d) @ wb(d))
-        out.setdefault("gw", []).append(gt(d) @ xb(d))
+        out.setdefault("gx", []).append(matmul(qg, wb, d))
+        out.setdefault("gw", []).append(matmul(gt, xb, d))
         if b is not None:
             out.setdefault("gb", []).append(gy.to(d).sum(0))
     final = {"y": dtype, "gx": dtype, "gw": dtype, "gb": dtype}
@@ -148,7 +175,9 @@ def cases(draw):
         m=draw(st.one_of(st.sampled_from([1, 15, 17, 33]), st.integers(1, cap))),
         k=draw(mult16),
         n=draw(mult16),
-        config=draw(st.sampled_from([c for c in CONFIGS if c.scaling == "dynamic"])),
+        config=dataclasses.replace(
+            draw(st.sampled_from([c for c in CONFIGS if c.scaling == "dynamic"])), fast_accum_output=draw(st.booleans())
+        ),
         bias=draw(st.booleans()),
         w_dtype=draw(st.sampled_from([None, torch.float32])),  # None: the input's dtype
         family=draw(st.sampled_from(kc.FAMILIES)),
@@ -284,7 +313,7 @@ def test_inference(dtype, recipe):
     kc.assert_kernel_ran(rec, *OPS)
     qx, _ = cast(x.reshape(-1, 272), E4M3, config)
     qw, _ = cast(lin.weight, E4M3, config, weight=True)
-    ref, low = (F.gelu(qx(d) @ qw(d).t() + lin.bias.to(d)) for d in (torch.float64, torch.float32))
+    ref, low = (F.gelu(matmul(qx, qw.t(), d, fast=True) + lin.bias.to(d)) for d in (torch.float64, torch.float32))
     kc.check_close(f"inference {recipe}", y.reshape(-1, 144), ref, low.to(dtype), dtype)
     loaded = kp_precision.Float8InferenceLinear(272, 144, device=DEVICE, dtype=dtype, recipe=recipe, activation="gelu")
     loaded.load_state_dict(lin.state_dict(), strict=True)

@@ -2,8 +2,12 @@
 
 Reference: the float8 operands decoded by torch's own cast, times their scales expanded to every element, one
 float64 matmul, then bias and the activation in float64. PyTorch's low-precision run of the same computation,
-for the 2x rule: torch._scaled_mm (tensorwise scales, which every device's torch takes) or, for the other
-recipes, a float32 matmul of the dequantised operands; both then bias and activation in float32 and one cast.
+for the 2x rule: torch._scaled_mm of the same float8 operands with the same use_fast_accum (on a GPU the float8
+tensor cores' own narrower accumulator), the scales applied in float32 after the sum or per 128-deep slice
+(kp_conformance.references.scaled_mm_lowp), then bias and activation in float32 and one cast.
+
+The spec pins the route of precise calls to torch._scaled_mm off (kp_core setting "scaled_mm_route"), so that
+every cell checks kp's kernel; test_route checks the route itself.
 """
 
 import math
@@ -17,7 +21,9 @@ from hypothesis import strategies as st
 import kp_conformance as kc
 import kp_core
 import kp_precision
+from kp_conformance.references import scaled_mm_lowp
 from kp_precision.ops import scaled_mm as mm
+from kp_precision.ops import scaled_mm_route as route
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the output's dtype
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -36,7 +42,7 @@ kc.declare(
         reference=(
             "float64 PyTorch: float8 operands decoded by torch's cast, times their scales per element (tensorwise, "
             "per row / column, 128-deep blocks), one matmul, + bias, activation; the 2x rule against torch._scaled_mm "
-            "(tensorwise) or a float32 matmul of the dequantised operands (other recipes)"
+            "of the same operands and use_fast_accum, scaled in float32 after the sum or per 128-deep slice"
         ),
         dtypes=DTYPES,
         properties=(
@@ -50,9 +56,17 @@ kc.declare(
             "bad_input",
             "opcheck",
             "compile",
+            "route",
         ),
     )
 )
+
+
+@pytest.fixture(autouse=True)
+def _kernel_only():
+    """Precise calls run kp's kernel here, not torch._scaled_mm (test_route turns the route back on)."""
+    with kp_core.pinned("scaled_mm_route", cublas=False):
+        yield
 
 
 def operand(rows, k, fp8, seed, family="normal", padded=False):
@@ -93,27 +107,25 @@ EPILOGUE = {
 }
 
 
-def references(a, b, sa, sb, bias, activation, out_dtype, kinds):
+def references(a, b, sa, sb, bias, activation, out_dtype, fast=False):
     """(float64 reference, PyTorch's low-precision result) of act(a*sa @ b*sb + bias)."""
     m, k = a.shape
     n = b.shape[1]
     a64 = a.double() * expand(sa, m, k, "a")
     b64 = b.double() * expand(sb, n, k, "b").t()
     ref = a64 @ b64
-    both_e5m2 = a.dtype == b.dtype == torch.float8_e5m2  # torch._scaled_mm does not take that pair
-    if kinds == ("tensor", "tensor") and not both_e5m2 and k:
-        low = torch._scaled_mm(a, b, sa.reshape(()), sb.reshape(()), out_dtype=torch.float32)
-    else:
-        low = (a.float() * expand(sa, m, k, "a").float()) @ (b.float() * expand(sb, n, k, "b").float().t())
+    low = scaled_mm_lowp(a, b, expand(sa, m, k, "a").float(), expand(sb, n, k, "b").float().t(), fast)
     if bias is not None:
         ref, low = ref + bias.double(), low + bias.float()
     return EPILOGUE[activation](ref), EPILOGUE[activation](low).to(out_dtype)
 
 
-def run(a, b, sa, sb, bias, activation, out_dtype):
+def run(a, b, sa, sb, bias, activation, out_dtype, fast=False):
     """kp's result, proving the kernel ran."""
     with kp_core.record_launches() as rec:
-        y = kp_precision.scaled_mm(a, b, sa, sb, bias=bias, activation=activation, out_dtype=out_dtype)
+        y = kp_precision.scaled_mm(
+            a, b, sa, sb, bias=bias, activation=activation, out_dtype=out_dtype, use_fast_accum=fast
+        )
     if y.numel() and a.shape[1]:
         kc.assert_kernel_ran(rec, OP)
     return y
@@ -128,8 +140,8 @@ def check(c, out_dtype):
     bias = None
     if c["bias"]:
         bias = kc.make_input((n,), c["bias_dtype"] or out_dtype, DEVICE, "contiguous", seed=c["seed"] + 3) * 10
-    y = run(a, b, sa, sb, bias, c["activation"], out_dtype)
-    ref, low = references(a, b, sa, sb, bias, c["activation"], out_dtype, (c["scale_a"], c["scale_b"]))
+    y = run(a, b, sa, sb, bias, c["activation"], out_dtype, c["fast"])
+    ref, low = references(a, b, sa, sb, bias, c["activation"], out_dtype, c["fast"])
     kc.check_close(f"scaled_mm {c}", y, ref, low, out_dtype)
 
 
@@ -144,15 +156,22 @@ def dims(tier):
     return m, k
 
 
+def pairs(fp8):
+    """The float8 dtypes b may have with a of `fp8`: not e5m2 with e5m2 (refused, as torch._scaled_mm does)."""
+    return FP8 if fp8 == torch.float8_e4m3fn else (torch.float8_e4m3fn,)
+
+
 @st.composite
 def cases(draw):
     m_st, k_st = dims(TIER)
+    fp8_a = draw(st.sampled_from(FP8))
     return dict(
         m=draw(m_st),
         k=draw(k_st),
         n=draw(k_st),
-        fp8_a=draw(st.sampled_from(FP8)),
-        fp8_b=draw(st.sampled_from(FP8)),
+        fp8_a=fp8_a,
+        fp8_b=draw(st.sampled_from(pairs(fp8_a))),
+        fast=draw(st.booleans()),
         scale_a=draw(st.sampled_from(SCALES_A)),
         scale_b=draw(st.sampled_from(SCALES_B)),
         bias=draw(st.booleans()),
@@ -178,12 +197,15 @@ def test_values(dtype, c):
 @pytest.mark.parametrize("scale_a", SCALES_A)
 def test_recipes(dtype, scale_a, scale_b):
     """Every pairing of the scales' recipes, on a shape that crosses tiles and ends in a partial scale block
-    (K = 272 = 2 * 128 + 16), with and without bias, every activation, every float8 pairing."""
+    (K = 272 = 2 * 128 + 16), with and without bias, every activation, every float8 pairing, both
+    accumulations."""
     kc.skip_if_not_covered(dtype)
     i = SCALES_A.index(scale_a) * 4 + SCALES_B.index(scale_b)
     for j, bias in enumerate((False, True)):
         c = dict(m=37, k=272, n=80, scale_a=scale_a, scale_b=scale_b, bias=bias, bias_dtype=None, padded=bool(j))
-        c.update(fp8_a=FP8[i % 2], fp8_b=FP8[(i // 2 + j) % 2], family="normal", seed=i * 7 + j)
+        fp8_a = FP8[i % 2]
+        c.update(fp8_a=fp8_a, fp8_b=pairs(fp8_a)[(i // 2 + j) % len(pairs(fp8_a))], family="normal", seed=i * 7 + j)
+        c["fast"] = (i + j) % 2 == 1
         c["activation"] = ACTIVATIONS[(i + j) % len(ACTIVATIONS)]
         check(c, dtype)
 
@@ -201,7 +223,7 @@ def test_every_value(fp8, soft):
     other format, scale 1, float32 out, the product is the value itself, exactly. Both ways the kernel reads
     float8: the hardware's (tl.dot on float8 tiles) and its own integer decoding (the interpreter's path, pinned
     on a GPU). The interpreter's own decoding is wrong for e5m2 (and NaN): its hardware path runs e4m3fn only."""
-    others = FP8
+    others = pairs(fp8)
     if kc.interpreting() and not soft:
         if fp8 == torch.float8_e5m2:
             pytest.skip("not covered on interpret: Triton's interpreter decodes float8_e5m2 wrongly")
@@ -233,7 +255,8 @@ def test_specials(fp8):
     ref = a.double() @ b.double()
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
     fin = ref.isfinite()
-    kc.check_close("specials (finite part)", y[fin], ref[fin], (a.float() @ b.float())[fin], torch.float32)
+    low = scaled_mm_lowp(a, b, torch.ones(20, 64, device=DEVICE), torch.ones(64, 32, device=DEVICE))
+    kc.check_close("specials (finite part)", y[fin], ref[fin], low[fin], torch.float32)
 
 
 @pytest.mark.conformance(kernel="scaled_mm", prop="no_mutation")
@@ -311,6 +334,13 @@ BAD_INPUTS = [
     ("bias float64", lambda d: _mm(d, bias=torch.ones(32, device=d, dtype=torch.float64)), TypeError, "bias"),
     ("unknown activation", lambda d: _mm(d, activation="tanh"), ValueError, "activation"),
     ("out_dtype float8", lambda d: _mm(d, out_dtype=torch.float8_e4m3fn), TypeError, "out_dtype"),
+    (
+        "both float8_e5m2",
+        lambda d: _mm(d, a=_fp8(d, dtype=torch.float8_e5m2), b=_fp8(d, dtype=torch.float8_e5m2).t()),
+        TypeError,
+        "one must be float8_e4m3fn",
+    ),
+    ("use_fast_accum not a bool", lambda d: _mm(d, use_fast_accum=1), TypeError, "use_fast_accum"),
 ]
 
 
@@ -332,7 +362,7 @@ def test_opcheck(dtype):
         # (test_no_mutation and the guard check that instead)
         torch.library.opcheck(
             mm.SCALED_MM.op,
-            (a, b, sa, sb, bias, "gelu", dtype),
+            (a, b, sa, sb, bias, "gelu", dtype, False),
             test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
         )
     kc.assert_kernel_ran(rec, OP)
@@ -366,6 +396,36 @@ def test_reference_is_independent():
     b = torch.ones(16, 256).to(torch.float8_e4m3fn).t()
     sa = torch.tensor([[1.0, 2.0], [4.0, 8.0]])  # (M, K/128): 1 x 128 blocks
     with kp_core.record_launches() as rec:
-        ref, low = references(a, b, sa, torch.ones(()), None, None, torch.float32, ("block", "tensor"))
+        ref, low = references(a, b, sa, torch.ones(()), None, None, torch.float32)
     assert rec.count() == 0
     assert ref[:, 0].tolist() == [128 * 3.0, 128 * 12.0] and torch.equal(low, ref.float())
+
+
+@pytest.mark.conformance(kernel="scaled_mm", prop="route")
+def test_route():
+    """On a GPU, a precise call whose scales are constant along K goes to torch._scaled_mm, and the blockwise
+    recipe (1 x 128 blocks of a, 128 x 128 of b) to torch.nn.functional.scaled_mm, where the installed torch takes
+    them, the epilogue in float32 (2x rule as everywhere); a fast non-blockwise call, and every call under the
+    interpreter, runs the kernel. Tensorwise e4m3, which every torch with float8 takes, must route."""
+    m, k, n = 64, 256, 128
+    a, b = operand(m, k, torch.float8_e4m3fn, 1), operand(n, k, torch.float8_e4m3fn, 2).t()
+    bias = kc.make_input((n,), torch.float32, DEVICE, "contiguous", seed=3)
+    gpu = DEVICE.type == "cuda" and not kc.interpreting()
+    routed = []
+    cases = ((("tensor", "tensor"), False), (("row", "column"), False), (("tensor", "tensor"), True))
+    for kinds, fast in (*cases, (("block", "square"), False)):
+        sa, sb = make_scale(kinds[0], m, k, "a", 4), make_scale(kinds[1], n, k, "b", 5)
+        layouts = (mm.scale_layout(sa, m, k, "a"), mm.scale_layout(sb, n, k, "b"))
+        with kp_core.pinned("scaled_mm_route", cublas=True), kp_core.record_launches() as rec:
+            y = kp_precision.scaled_mm(
+                a, b, sa, sb, bias=bias, activation="gelu", out_dtype=torch.float32, use_fast_accum=fast
+            )
+            routes = gpu and route.routes(a, b, sa, sb, layouts, fast)
+        if routes:
+            assert rec.backends(OP) == {route.LIBRARY}, f"{kinds}: expected cuBLASLt, got {rec.launches}"
+            routed.append(kinds)
+        else:
+            kc.assert_kernel_ran(rec, OP)
+        ref, low = references(a, b, sa, sb, bias, "gelu", torch.float32, fast)
+        kc.check_close(f"route {kinds} fast={fast}", y, ref, low, torch.float32)
+    assert ("tensor", "tensor") in routed or not gpu, "a precise tensorwise call did not go to torch._scaled_mm"

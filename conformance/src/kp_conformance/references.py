@@ -209,6 +209,42 @@ def dequantize_fp8(data, scale, granularity, block=None, dtype=torch.float64):
     return (d * s).reshape(data.shape)
 
 
+def scale_of_each(data, scale, granularity, block=None):
+    """The float32 scale of every element of `data` (dequantize_fp8 of ones)."""
+    return dequantize_fp8(torch.ones_like(data, dtype=torch.float32), scale, granularity, block, torch.float32)
+
+
+def scaled_mm_lowp(a, b, scale_a, scale_b, use_fast_accum=False):
+    """PyTorch's own float8 GEMM of the same operands, for the 2x rule: a (M, K) and b (K, N) float8, scale_a (M, K)
+    and scale_b (K, N) every element's float32 scale, constant within each 128-deep slice of K. torch._scaled_mm
+    (float8 tensor cores on a GPU, whose accumulator is narrower than float32: a float32 matmul would hide that)
+    with unit scales, then the scales in float32 as the recipe applies them: once after the whole sum when they
+    are constant along K, else per 128-deep slice, the slices summed in float32."""
+    k = a.shape[1]
+    along_k = k and not (
+        torch.equal(scale_a, scale_a[:, :1].expand_as(scale_a)) and torch.equal(scale_b, scale_b[:1].expand_as(scale_b))
+    )
+    step = 128 if along_k else max(k, 1)
+    one = torch.ones((), device=a.device)
+    out = torch.zeros(a.shape[0], b.shape[1], device=a.device)
+    n = b.shape[1]
+    for j in range(0, k, step):
+        # zeros pad K and N to the multiples of 16 torch._scaled_mm takes on a GPU (+0.0 is byte 0 in both formats)
+        aj, bj = _pad16(a[:, j : j + step], 1), _pad16(_pad16(b[j : j + step].t(), 1), 0)
+        part = torch._scaled_mm(aj, bj.t(), one, one, out_dtype=torch.float32, use_fast_accum=use_fast_accum)
+        out = out + part[:, :n] * scale_a[:, j : j + 1] * scale_b[j : j + 1, :]
+    return out
+
+
+def _pad16(t, dim):
+    """float8 t, contiguous, zero-padded along dim to a multiple of 16."""
+    pad = -t.shape[dim] % 16
+    u = t.contiguous().view(torch.uint8)
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad) if dim == 1 else (0, 0, 0, pad))
+    return u.view(t.dtype)
+
+
 # ---- MX formats (OCP Microscaling Formats v1.0, section 6.3's conversion) ----
 
 MX_ELEMENTS = {  # name -> (largest normal exponent, largest value, torch dtype or None for fp4)
@@ -239,7 +275,9 @@ def mx_quantize(x, elem):
     xb = x.double().reshape(*x.shape[:-1], -1, 32)
     amax = xb.abs().amax(-1)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax)).nan_to_num(1.0, 1.0)
-    shared = torch.where(amax > 0, torch.floor(torch.log2(safe)) - emax, -127.0).clamp(-127, 127)
+    # floor(log2 amax) from the binary exponent: CUDA's float64 log2 of 64.0 is 5.999999999999999
+    floor_log2 = torch.frexp(safe)[1].double() - 1
+    shared = torch.where(amax > 0, floor_log2 - emax, -127.0).clamp(-127, 127)
     byte = torch.where(amax.isfinite(), shared + 127, 255.0).long()
     y = (xb / torch.exp2(shared).unsqueeze(-1)).float()  # a power of two: exact
     y = torch.where(y.isnan(), y, y.clamp(-vmax, vmax))
@@ -269,6 +307,7 @@ def fake_quantize_int(x, qmax, group):
     g = group or k
     xg = x.float().reshape(-1, k // g, g)
     amax = xg.abs().amax(-1, keepdim=True)
-    scale = torch.maximum(amax, torch.tensor(1e-12)) / torch.tensor(float(qmax))
+    # both operands on x's device: CUDA divides by a CPU scalar as a multiplication by its reciprocal
+    scale = torch.maximum(amax, torch.full_like(amax, 1e-12)) / torch.full_like(amax, float(qmax))
     codes = torch.round(xg / scale).clamp(-qmax - 1, qmax)
     return (codes * scale).to(x.dtype).reshape(x.shape), codes.reshape(x.shape)

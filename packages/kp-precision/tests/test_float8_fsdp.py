@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import kp_precision
 
@@ -50,10 +51,12 @@ def worker(rank, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         net = model()
+        # a CPU mesh: on a machine with a GPU fully_shard would otherwise move the parameters there
+        mesh = init_device_mesh("cpu", (world,))
         for layer in net:
             if isinstance(layer, kp_precision.Float8Linear):
-                fsdp.fully_shard(layer)
-        fsdp.fully_shard(net)
+                fsdp.fully_shard(layer, mesh=mesh)
+        fsdp.fully_shard(net, mesh=mesh)
         losses = torch.stack(train(net, rank, world))
         dist.all_reduce(losses)
         full = {k: v.full_tensor() for k, v in net.state_dict().items()}

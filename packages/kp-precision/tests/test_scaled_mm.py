@@ -25,7 +25,7 @@ def quantized(recipe, m=40, k=272, n=48, seed=0):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_reference_path_matches_the_kernel(monkeypatch, recipe):
-    """KP_BACKEND=reference (PyTorch only) agrees with the kernel to float32 rounding of the sum."""
+    """KP_BACKEND=reference (PyTorch only) agrees with the kernel: to float32 rounding of the sum off-GPU."""
     _, _, args = quantized(recipe)
     bias = torch.randn(48, device=DEVICE)
     with kp_core.record_launches() as rec:
@@ -35,7 +35,11 @@ def test_reference_path_matches_the_kernel(monkeypatch, recipe):
     with kp_core.record_launches() as rec:
         ref = kp_precision.scaled_mm(*args, bias=bias, activation="silu", out_dtype=torch.float32)
     assert rec.backends("kp::scaled_mm") == {kp_core.REFERENCE}
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-4)
+    if DEVICE == "cpu":  # the interpreter decodes float8 and sums in float32, as the reference path does
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-4)
+    else:  # float8 tensor cores sum each 128-deep slice in a narrower accumulator (the spec measures it against
+        # torch._scaled_mm's): here only a bound far below a misplaced scale's error
+        assert (ours - ref).abs().max() <= 2**-10 * ref.abs().max()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -113,6 +113,7 @@ def scaled_mm(
     bias: torch.Tensor | None = None,
     activation: str | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """act((a * scale_a) @ (b * scale_b) + bias) as `out_dtype`, with a (M, K) and b (K, N) in float8.
 
@@ -120,13 +121,19 @@ def scaled_mm(
     of 16, float32 dequantisation scales. scale_a is () (tensorwise), (M, 1) (per row), (M, K/128) (1 x 128 blocks)
     or (M/128, K/128); scale_b is (), (1, N) (per column), (K/128, N) or (K/128, N/128) (128 x 128 blocks of the
     weight: w's blockwise scale, transposed), divisions rounded up. The sum is float32; bias (N,) (float32 or
-    out_dtype), the activation ('relu', 'gelu', 'gelu_tanh', 'silu' or None) and the cast are fused into it."""
+    out_dtype), the activation ('relu', 'gelu', 'gelu_tanh', 'silu' or None) and the cast are fused into it.
+    use_fast_accum: as torch._scaled_mm's: False adds each 128-deep partial sum of Hopper's float8 tensor cores to
+    the float32 sum (their own accumulator is narrower); True lets them sum all of K, faster and less exact. A
+    precise call with scales constant along K runs on torch._scaled_mm where it takes the case (it is faster
+    there); see kp_precision.ops.scaled_mm. float8_e5m2 x float8_e5m2 is refused, as torch._scaled_mm does."""
     kp_core.check_tensor(_MM, "a", a, dtypes=FP8_DTYPES, ndim=2)
     kp_core.check_tensor(_MM, "b", b, dtypes=FP8_DTYPES, ndim=2, device=a.device)
     m, k = a.shape
     if b.shape[0] != k:
         raise ValueError(f"{_MM}: b must have a's K = {k} rows (a is {tuple(a.shape)}), got {tuple(b.shape)}")
     n = b.shape[1]
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise TypeError(f"{_MM}: a and b are both float8_e5m2; one must be float8_e4m3fn (as torch._scaled_mm)")
     if k % 16 or n % 16:
         raise ValueError(f"{_MM}: K and N must be multiples of 16 for float8 tensor cores, got K={k}, N={n}")
     if k > 1 and a.stride(1) != 1:
@@ -146,7 +153,9 @@ def scaled_mm(
     act = "none" if activation is None else activation
     if act not in mm.ACTIVATIONS:
         raise ValueError(f"{_MM}: activation must be None, 'relu', 'gelu', 'gelu_tanh' or 'silu', got {activation!r}")
-    return mm.SCALED_MM(a, b, scale_a, scale_b, bias, act, out_dtype)
+    if not isinstance(use_fast_accum, bool):
+        raise TypeError(f"{_MM}: use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
+    return mm.SCALED_MM(a, b, scale_a, scale_b, bias, act, out_dtype, use_fast_accum)
 
 
 _MX = "kp_precision.mx_quantize"

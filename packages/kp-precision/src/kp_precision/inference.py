@@ -114,6 +114,7 @@ class Float8InferenceLinear(nn.Module):
             bias=bias,
             activation=self.activation,
             out_dtype=x.dtype,
+            use_fast_accum=True,  # as torchao's float8 inference: the tensor cores' own accumulator
         )
         return y.reshape(*x.shape[:-1], self.out_features)
 

@@ -45,13 +45,16 @@ class Float8Config:
     """How a Float8Linear casts: `recipe` ('tensorwise', 'rowwise', 'blockwise'), `scaling` ('dynamic': each
     tensor's own amax; 'delayed': an amax history of `history_len` steps, tensorwise only), `grad_dtype`
     (the gradient's float8 format; None: e5m2 for tensorwise, e4m3fn otherwise) and `power_of_2` (scales
-    floored to powers of two; None: True for rowwise, as torchao's recipe)."""
+    floored to powers of two; None: True for rowwise, as torchao's recipe) and `fast_accum_output` (the
+    forward's matmul sums all of K in the float8 tensor cores' own accumulator, as torchao's recipes do; the two
+    gradient matmuls always add every 128-deep partial sum to float32: see kp_precision.scaled_mm)."""
 
     recipe: str = "tensorwise"
     scaling: str = "dynamic"
     history_len: int = 16
     grad_dtype: torch.dtype | None = None
     power_of_2: bool | None = None
+    fast_accum_output: bool = True
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
@@ -62,6 +65,8 @@ class Float8Config:
             raise ValueError(f"Float8Config: delayed scaling is for the tensorwise recipe, got {self.recipe!r}")
         if not isinstance(self.history_len, int) or self.history_len < 1:
             raise ValueError(f"Float8Config: history_len must be a positive int, got {self.history_len!r}")
+        if not isinstance(self.fast_accum_output, bool):
+            raise TypeError(f"Float8Config: fast_accum_output must be a bool, got {self.fast_accum_output!r}")
         if self.grad_dtype not in (None, E4M3, E5M2):
             raise TypeError(f"Float8Config: grad_dtype must be float8_e4m3fn or float8_e5m2, got {self.grad_dtype}")
 
@@ -118,7 +123,15 @@ class _Float8Matmul(torch.autograd.Function):
             qw = _delayed_cast(weight, E4M3, config, histories[1], first, weight=True)
         else:
             qx, qw = _cast(x2, E4M3, config), _cast(weight, E4M3, config, weight=True)
-        y = scaled_mm(qx.data, qw.data.t(), qx.scale, _scale_t(qw.scale), bias=bias, out_dtype=x2.dtype)
+        y = scaled_mm(
+            qx.data,
+            qw.data.t(),
+            qx.scale,
+            _scale_t(qw.scale),
+            bias=bias,
+            out_dtype=x2.dtype,
+            use_fast_accum=config.fast_accum_output,
+        )
         hg = None if histories is None else histories[2]
         if config.recipe == "rowwise":  # the backward quantises along the other dims: keep the originals
             ctx.save_for_backward(x2, weight, hg)

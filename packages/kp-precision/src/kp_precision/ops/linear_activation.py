@@ -55,7 +55,7 @@ def forward(
     args += (y if bias is None else bias, y, y.stride(0), y if pre is None else pre, m, n, k)
     consts = dict(SA_ROWS=1, SA_K=False, SB_COLS=1, SB_K=False, SCALE_K=128, HAS_BIAS=bias is not None)
     consts.update(ACT=ACTIVATIONS.index(activation), STORE_PRE=save_pre, A_E5M2=False, B_E5M2=False, SOFT=False)
-    consts.update(BLOCK_M=s["block_m"], BLOCK_N=s["block_n"], BLOCK_K=s["block_k"], GROUP_M=group)
+    consts.update(PROMOTE_K=0, BLOCK_M=s["block_m"], BLOCK_N=s["block_n"], BLOCK_K=s["block_k"], GROUP_M=group)
     kp_core.launch(OP, backend, kernels._scaled_mm, (grid,), args, consts, s["num_warps"], s["num_stages"])
     return y, pre
 

@@ -12,11 +12,22 @@ float32 dequantisation scales (x ~ data * scale), one per block of the operand:
 A scale constant along K multiplies the float32 sum once; a blockwise one multiplies each 128-long partial sum
 (the DeepSeek-V3 recipe). Then bias (float32 or C's dtype), the activation (relu, gelu, gelu_tanh, silu) and
 the cast, all in float32 registers: no extra pass over C. Kernel: kp_precision.ops.scaled_mm_kernels.
+
+Accumulation. Hopper's float8 tensor cores sum products in an accumulator narrower than float32, so a long K
+loses bits. use_fast_accum=False (the default, as torch._scaled_mm's) adds each 128-deep partial sum to the float32
+one, which is what cuBLASLt does too (measured: the same error as torch._scaled_mm's); True lets the tensor cores
+sum all of K (torchao uses it for the forward). Triton's promotion every 128 runs at about a third of the fast
+kernel's speed on the H100 (benchmarks/results), so a precise call whose scales are constant along K goes to
+torch._scaled_mm (cuBLASLt) where the installed torch takes its dtypes and scale shapes, the epilogue then done in
+float32 by PyTorch ops; and the blockwise recipe of 1 x 128 blocks of A with 128 x 128 blocks of B, which the
+kernel runs at a quarter of cuBLASLt's speed, goes to torch.nn.functional.scaled_mm where torch has it
+(kp_precision.ops.scaled_mm_route). Everything else runs the kernel.
 """
 
 import torch
 
 import kp_core
+from kp_precision.ops import scaled_mm_route as route
 from kp_precision.ops.quantize import _soft
 
 if kp_core.has_triton():
@@ -32,6 +43,11 @@ SCALE_K = 128
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M) on a GPU: the float8 shape of Triton's own Hopper
 # matmul tutorial (a 128 x 256 tile, 128 deep, 3 stages: 144 KiB of shared memory); a benchmark may pin others.
 TILE = (128, 256, 128, 8, 3, 8)
+# How many elements of K a precise float8 tensor-core sum runs before it is added to the float32 accumulator
+# (use_fast_accum=False); 0 is no limit (use_fast_accum=True, Triton's default on Hopper).
+PROMOTE_K = 128
+# The kernel's own float8 decoding on a GPU (pinned by tests): float32 tiles, which need less shared memory.
+SOFT_TILE = (64, 64, 32, 4, 2, 8)
 # The interpreter runs programs one after another: small tiles cross block and scale boundaries in small tests.
 INTERPRET_TILE = (16, 32, 32, 1, 1, 2)
 
@@ -103,6 +119,7 @@ def forward(
     bias: torch.Tensor | None,
     activation: str,
     out_dtype: torch.dtype,
+    use_fast_accum: bool,
 ) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[1]
@@ -116,10 +133,20 @@ def forward(
         kp_core.reference(OP)
         out.copy_(_reference(a, b, scale_a, scale_b, bias, activation, out_dtype))
         return out
-    bm, bn, bk, warps, stages, group = INTERPRET_TILE if backend == kp_core.INTERPRET else TILE
-    s = kp_core.settings("_scaled_mm", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     rows_a, k_a = scale_layout(scale_a, m, k, "a")
     rows_b, k_b = scale_layout(scale_b, n, k, "b")
+    layouts = ((rows_a, k_a), (rows_b, k_b))
+    if backend == kp_core.TRITON and route.routes(a, b, scale_a, scale_b, layouts, use_fast_accum):
+        args = (a, b, scale_a, scale_b, bias, activation, out_dtype, use_fast_accum, layouts)
+        y = route.run(*args, _reference_activation(activation))
+        if y is not None:
+            return y
+    soft = _soft(backend)
+    bm, bn, bk, warps, stages, group = INTERPRET_TILE if backend == kp_core.INTERPRET else SOFT_TILE if soft else TILE
+    promote = 0 if use_fast_accum else PROMOTE_K
+    s = kp_core.settings(
+        "_scaled_mm", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, promote_k=promote
+    )
     bm, bn, bk = s["block_m"], s["block_n"], s["block_k"]
     if k_a or k_b:  # a K-block of the tile must sit inside one scale block (powers of two)
         bk = min(bk, SCALE_K)
@@ -128,7 +155,6 @@ def forward(
     grid = -(-m // bm) * -(-n // bn)
     kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
     bt = b.t()  # (N, K) row-major: B's columns are its rows
-    soft = _soft(backend)
     a_in, b_in = (a.view(torch.uint8), bt.view(torch.uint8)) if soft else (a, bt)
     args = (a_in, a.stride(0), b_in, bt.stride(0), sa, sa_m, sa_k, sb, sb_k, sb_n)
     args += (out if bias is None else bias, out, out.stride(0), out, m, n, k)
@@ -144,6 +170,7 @@ def forward(
         A_E5M2=a.dtype == torch.float8_e5m2,
         B_E5M2=b.dtype == torch.float8_e5m2,
         SOFT=soft,
+        PROMOTE_K=min(s["promote_k"], bk),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -153,7 +180,7 @@ def forward(
     return out
 
 
-def _fake(a, b, scale_a, scale_b, bias, activation, out_dtype):
+def _fake(a, b, scale_a, scale_b, bias, activation, out_dtype, use_fast_accum):
     return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
 
 

@@ -24,16 +24,25 @@ SILU = tl.constexpr(4)
 
 @triton.jit
 def _operand(ptr, mask, E5M2: tl.constexpr, SOFT: tl.constexpr):
+    # one return: the compiler type-checks every return of a function, even one a constexpr branch skips
     if SOFT:  # ptr is a uint8 view of the float8 data
-        return _fp8_value(tl.load(ptr, mask=mask, other=0).to(tl.int32), E5M2)
-    return tl.load(ptr, mask=mask, other=0.0)
+        x = _fp8_value(tl.load(ptr, mask=mask, other=0).to(tl.int32), E5M2)
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
-def _dot(a, b, acc, SOFT: tl.constexpr):
+def _dot(a, b, acc, SOFT: tl.constexpr, PROMOTE_K: tl.constexpr):
     if SOFT:  # float32 operands: exact products (no TF32), as the float8 ones are
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    elif PROMOTE_K == 0:
+        acc = tl.dot(a, b, acc)
+    else:
+        # Hopper's float8 tensor-core instructions sum in a narrower accumulator; every PROMOTE_K elements of K
+        # the partial sum is added to the float32 one (Triton's max_num_imprecise_acc; 16-bit dots ignore it)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
+    return acc
 
 
 @triton.jit
@@ -94,6 +103,7 @@ def _scaled_mm(
     A_E5M2: tl.constexpr,
     B_E5M2: tl.constexpr,
     SOFT: tl.constexpr,
+    PROMOTE_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -115,14 +125,14 @@ def _scaled_mm(
         a = _operand(a_ptr, (rm < M)[:, None] & (rk < K - k)[None, :], A_E5M2, SOFT)
         b = _operand(b_ptr, (rk < K - k)[:, None] & (rn < N)[None, :], B_E5M2, SOFT)
         if SA_K or SB_K:
-            part = _dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), SOFT)
+            part = _dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), SOFT, PROMOTE_K)
             if SA_K:
                 part *= tl.load(sa_row + (k // SCALE_K) * stride_sak, mask=rm < M, other=0.0)[:, None]
             if SB_K:
                 part *= tl.load(sb_col + (k // SCALE_K) * stride_sbk, mask=rn < N, other=0.0)[None, :]
             acc += part
         else:
-            acc = _dot(a, b, acc, SOFT)
+            acc = _dot(a, b, acc, SOFT, PROMOTE_K)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
     if not SA_K:
