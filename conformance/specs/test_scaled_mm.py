@@ -403,10 +403,10 @@ def test_reference_is_independent():
 
 @pytest.mark.conformance(kernel="scaled_mm", prop="route")
 def test_route():
-    """On a GPU, a precise call whose scales are constant along K goes to torch._scaled_mm, and the blockwise
-    recipe (1 x 128 blocks of a, 128 x 128 of b) to torch.nn.functional.scaled_mm, where the installed torch takes
-    them, the epilogue in float32 (2x rule as everywhere); a fast non-blockwise call, and every call under the
-    interpreter, runs the kernel. Tensorwise e4m3, which every torch with float8 takes, must route."""
+    """On a GPU, a precise call whose scales are constant along K goes to torch._scaled_mm where the installed
+    torch takes its dtypes and scale kinds, the epilogue in float32 (2x rule as everywhere); a fast or blockwise
+    call, and every call under the interpreter, runs the kernel. Tensorwise e4m3, which every torch with float8
+    takes, must route."""
     m, k, n = 64, 256, 128
     a, b = operand(m, k, torch.float8_e4m3fn, 1), operand(n, k, torch.float8_e4m3fn, 2).t()
     bias = kc.make_input((n,), torch.float32, DEVICE, "contiguous", seed=3)
@@ -422,7 +422,7 @@ def test_route():
             )
             routes = gpu and route.routes(a, b, sa, sb, layouts, fast)
         if routes:
-            assert rec.backends(OP) == {route.LIBRARY}, f"{kinds}: expected cuBLASLt, got {rec.launches}"
+            assert rec.backends(OP) == {route.LIBRARY}, f"{kinds}: expected torch._scaled_mm, got {rec.launches}"
             routed.append(kinds)
         else:
             kc.assert_kernel_ran(rec, OP)

@@ -19,9 +19,9 @@ one, which is what cuBLASLt does too (measured: the same error as torch._scaled_
 sum all of K (torchao uses it for the forward). Triton's promotion every 128 runs at about a third of the fast
 kernel's speed on the H100 (benchmarks/results), so a precise call whose scales are constant along K goes to
 torch._scaled_mm (cuBLASLt) where the installed torch takes its dtypes and scale shapes, the epilogue then done in
-float32 by PyTorch ops; and the blockwise recipe of 1 x 128 blocks of A with 128 x 128 blocks of B, which the
-kernel runs at a quarter of cuBLASLt's speed, goes to torch.nn.functional.scaled_mm where torch has it
-(kp_precision.ops.scaled_mm_route). Everything else runs the kernel.
+float32 by PyTorch ops (kp_precision.ops.scaled_mm_route). Everything else runs the kernel, blockwise scales
+included: they promote every 128 anyway, at about a quarter of the speed of cuBLASLt's blockwise recipe
+(torch.nn.functional.scaled_mm, measured in benchmarks/results; not routed yet, see docs/ops/scaled_mm.md).
 """
 
 import torch
@@ -137,8 +137,7 @@ def forward(
     rows_b, k_b = scale_layout(scale_b, n, k, "b")
     layouts = ((rows_a, k_a), (rows_b, k_b))
     if backend == kp_core.TRITON and route.routes(a, b, scale_a, scale_b, layouts, use_fast_accum):
-        args = (a, b, scale_a, scale_b, bias, activation, out_dtype, use_fast_accum, layouts)
-        y = route.run(*args, _reference_activation(activation))
+        y = route.run(a, b, scale_a, scale_b, bias, activation, out_dtype, _reference_activation(activation))
         if y is not None:
             return y
     soft = _soft(backend)
