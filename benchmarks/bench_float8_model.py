@@ -1,0 +1,214 @@
+"""Float8 training at model level (kp_precision.convert_to_float8_training): kp vs bf16 and torchao in one run.
+
+    python benchmarks/bench_float8_model.py            # GPU: writes results/<device>/float8_model.*
+    python benchmarks/bench_float8_model.py --smoke    # CPU: a few steps of a tiny model, the mechanics only
+
+Two measurements, every variant with the same bf16 weights and data:
+- train step (forward + backward + AdamW) of one Llama-3-8B-shaped decoder block (4096 wide, MLP 14336, GQA 32/8
+  heads, 2 x 4096 tokens) and of `nox -s demo`'s model (4 layers, 2048 wide, vocab 32000, 8 x 1024 tokens): ms
+  per step and peak memory above the weights, each block compiled on its own (torchtitan's habit) and eager;
+- the loss curve of the demo's model trained for --steps steps on fixed synthetic sequences (a random
+  permutation followed with probability 0.9, so there is something to learn): the mean loss of the last 20
+  steps against bf16's, and the curves plotted.
+Variants: bf16; kp tensorwise and rowwise (Float8Linear); torchao's convert_to_float8_training with the same
+recipe (compiled only, as torchao is meant to run). lm_head stays bf16 in every float8 variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import demo
+import harness
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kp_precision
+
+RECIPES = ("tensorwise", "rowwise")
+BLOCK = dict(dim=4096, heads=32, kv_heads=8, hidden=14336, eps=1e-5)
+MODEL = dict(vocab=32000, dim=2048, layers=4, heads=16, kv_heads=4, hidden=5632, eps=1e-5)
+SMOKE = dict(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, hidden=176, eps=1e-5)
+
+
+def keep_head(module: nn.Module, fqn: str) -> bool:
+    return "lm_head" not in fqn
+
+
+def variants(base: nn.Module, device: torch.device) -> dict:
+    """{name: (model, compiled?)} with base's weights; torchao only where it imports and runs on this device."""
+    out = {"bf16": base}
+    for recipe in RECIPES:
+        out[f"kp {recipe}"] = kp_precision.convert_to_float8_training(
+            copy.deepcopy(base), recipe=recipe, module_filter_fn=keep_head
+        )
+        if device.type != "cuda":
+            continue
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            out[f"torchao {recipe}"] = convert_to_float8_training(
+                copy.deepcopy(base), config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep_head
+            )
+        except Exception as e:  # absent or incompatible: reported, not hidden
+            print(f"torchao {recipe} unavailable: {type(e).__name__}: {str(e)[:200]}")
+    return out
+
+
+def compiled(model: nn.Module) -> nn.Module:
+    """Each decoder block compiled on its own (a bare block: the block itself)."""
+    if hasattr(model, "layers"):
+        return demo.compile_layers(model)
+    return torch.compile(model)
+
+
+def train_step(model, opt, batch):
+    x, target = batch
+    out = model(x)
+    if target is None:  # a bare block: a stand-in loss over its output
+        loss = out.float().square().mean()
+    else:
+        loss = F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def time_step(model, batch, iters: int, device) -> tuple[float, float]:
+    """(ms per train step, peak MiB above the model and optimiser state) after warm-up."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cuda = device.type == "cuda"
+    for _ in range(3):  # compile, autotune, the optimiser's state
+        train_step(model, opt, batch)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    for _ in range(iters):
+        train_step(model, opt, batch)
+    if cuda:
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - start) / iters * 1e3
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+    return ms, peak
+
+
+def synthetic(cfg: dict, batches: int, batch: int, seq: int, device) -> list:
+    """Fixed sequences: each token is a fixed permutation of the previous one with probability 0.9, else
+    random. (tokens, next tokens) pairs."""
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(cfg["vocab"], generator=g)
+    out = []
+    for _ in range(batches):
+        t = torch.empty(batch, seq + 1, dtype=torch.long)
+        t[:, 0] = torch.randint(cfg["vocab"], (batch,), generator=g)
+        for i in range(1, seq + 1):
+            noise = torch.randint(cfg["vocab"], (batch,), generator=g)
+            keep = torch.rand(batch, generator=g) < 0.9
+            t[:, i] = torch.where(keep, perm[t[:, i - 1]], noise)
+        out.append((t[:, :-1].to(device), t[:, 1:].to(device)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps, nothing written")
+    args = ap.parse_args()
+    if not args.smoke:
+        harness.require_gpu()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    cfg = SMOKE if args.smoke else MODEL
+    steps, iters = (4, 1) if args.smoke else (args.steps, 10)
+    rows = []
+
+    # train step time and memory
+    torch.manual_seed(0)
+    block = demo.Block(**(dict(dim=64, heads=4, kv_heads=2, hidden=176, eps=1e-5) if args.smoke else BLOCK))
+    block_batch = (torch.randn(1 if args.smoke else 2, 32 if args.smoke else 4096, block.mlp.up_proj.in_features), None)
+    model_batch = synthetic(cfg, 1, 2 if args.smoke else 8, 32 if args.smoke else 1024, device)[0]
+    for what, base, batch in (("block", block, block_batch), ("model", demo.TinyLlama(**cfg), model_batch)):
+        base = base.to(device=device, dtype=torch.bfloat16)
+        x, t = batch
+        batch = (x.to(device=device, dtype=torch.bfloat16) if what == "block" else x, t)
+        for name, model in variants(base, device).items():
+            for mode in ("eager", "compile"):
+                if mode == "eager" and name.startswith("torchao") or mode == "compile" and args.smoke:
+                    continue
+                m = copy.deepcopy(model)
+                ms, peak = time_step(compiled(m) if mode == "compile" else m, batch, iters, device)
+                rows.append(dict(what=what, provider=name, mode=mode, ms=ms, peak_mib=peak))
+                print(f"{what:6s} {name:20s} {mode:8s} {ms:9.2f} ms  {peak:9.0f} MiB", flush=True)
+
+    # loss curves
+    torch.manual_seed(1)
+    base = demo.TinyLlama(**cfg).to(device=device, dtype=torch.bfloat16)
+    data = synthetic(cfg, 16, 2 if args.smoke else 8, 32 if args.smoke else 1024, device)
+    curves = {}
+    for name, model in variants(base, device).items():
+        model = compiled(copy.deepcopy(model)) if not args.smoke else copy.deepcopy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        curves[name] = [train_step(model, opt, data[i % len(data)]).item() for i in range(steps)]
+        print(f"loss {name:20s} first {curves[name][0]:.4f} last {curves[name][-1]:.4f}", flush=True)
+    tail = {n: sum(c[-20:]) / len(c[-20:]) for n, c in curves.items()}
+    for n, v in tail.items():
+        rows.append(dict(what="loss", provider=n, mode="compile", final_loss=v, vs_bf16=v / tail["bf16"] - 1))
+    if args.smoke:
+        return
+    meta = {"kernel": "float8_model", "op": "float8_linear", "dtype": "bf16 weights, float8 linears"}
+    meta.update(harness.versions())
+    md = render(meta, rows, steps)
+    out = harness.write_results("float8_model", meta, rows, md, lambda p: plot(curves, meta, p))
+    print(md)
+    print(f"wrote {out}")
+
+
+def render(meta: dict, rows: list[dict], steps: int) -> str:
+    lines = [
+        f"# Float8 training at model level, {meta['device']}",
+        "",
+        f"torch {meta['torch']}, triton "
+        f"{meta['triton']}. Train step: forward + backward + AdamW, bf16 weights; peak: MiB above the model "
+        "and optimiser state.",
+        "",
+        "| what | provider | mode | ms / step | peak MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["what"] != "loss":
+            lines.append(f"| {r['what']} | {r['provider']} | {r['mode']} | {r['ms']:.2f} | {r['peak_mib']:.0f} |")
+    lines += [
+        "",
+        f"Loss of the demo's model after {steps} steps on fixed synthetic data (mean of the last 20 steps):",
+        "",
+        "| provider | final loss | vs bf16 |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        if r["what"] == "loss":
+            lines.append(f"| {r['provider']} | {r['final_loss']:.4f} | {100 * r['vs_bf16']:+.2f} % |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: dict, meta: dict, path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, c in curves.items():
+        ax.plot(range(1, len(c) + 1), c, label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.set_title(f"float8 training, demo model, {meta['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
