@@ -156,24 +156,32 @@ class _Float8Matmul(torch.autograd.Function):
             qg = _cast(gy, gfp8, config)  # along N, for gx
             qwt = _cast(weight.t().contiguous(), E4M3, config)  # w.T (K, N) along N
             gx = scaled_mm(qg.data, qwt.data.t(), qg.scale, qwt.scale.t(), out_dtype=dtype)
-            qgt = _cast(gy.t().contiguous(), gfp8, config)  # gy.T (N, M) along M
-            qxt = _cast(x2.t().contiguous(), E4M3, config)  # x.T (K, M) along M
-            gw = scaled_mm(qgt.data, qxt.data.t(), qgt.scale, qxt.scale.t(), out_dtype=dtype)
+            gw = _weight_grad_along_m(gy, x2, gfp8, config, dtype)
         elif config.recipe == "tensorwise":
             x_data, x_scale, w_data, w_scale, _, hg = saved
             qg = _cast(gy, gfp8, config) if hg is None else _delayed_cast(gy, gfp8, config, hg, ctx.first)
-            gx = scaled_mm(qg.data, _column_major(w_data), qg.scale, w_scale, out_dtype=dtype)
+            gx = _input_grad(qg, w_data, w_scale, dtype)
             gw = scaled_mm(qg.data.t().contiguous(), _column_major(x_data), qg.scale, x_scale, out_dtype=dtype)
         else:  # blockwise
             _, _, w_data, w_scale, x2, _ = saved
             qg = _cast(gy, gfp8, config)  # 1 x 128 along N
             # b = w (N, K) column-major, contracted over N: w's (N/128, K/128) scale is (K-blocks, N-blocks) of b
-            gx = scaled_mm(qg.data, _column_major(w_data), qg.scale, w_scale, out_dtype=dtype)
-            qgt = _cast(gy.t().contiguous(), gfp8, config)  # gy.T (N, M), 1 x 128 along M
-            qxt = _cast(x2.t().contiguous(), E4M3, config)  # x.T (K, M), 1 x 128 along M
-            gw = scaled_mm(qgt.data, qxt.data.t(), qgt.scale, qxt.scale.t(), out_dtype=dtype)
+            gx = _input_grad(qg, w_data, w_scale, dtype)
+            gw = _weight_grad_along_m(gy, x2, gfp8, config, dtype)
         gb = None if b_dtype is None else gy.sum(0, dtype=torch.float32).to(b_dtype)
         return gx, gw.to(w_dtype), gb, None, None, None
+
+
+def _input_grad(qg, w_data, w_scale, dtype):
+    """gy @ w from the forward's float8 weight (tensorwise and blockwise reuse it)."""
+    return scaled_mm(qg.data, _column_major(w_data), qg.scale, w_scale, out_dtype=dtype)
+
+
+def _weight_grad_along_m(gy, x2, gfp8, config, dtype):
+    """gy.T @ x with gy.T (N, M) and x.T (K, M) cast again along M (rowwise: per row; blockwise: 1 x 128)."""
+    qgt = _cast(gy.t().contiguous(), gfp8, config)
+    qxt = _cast(x2.t().contiguous(), E4M3, config)
+    return scaled_mm(qgt.data, qxt.data.t(), qgt.scale, qxt.scale.t(), out_dtype=dtype)
 
 
 def check_input(layer: str, x, in_features: int) -> None:
