@@ -336,6 +336,12 @@ BAD_INPUTS = [
     ("delayed rowwise", lambda d: kp_precision.Float8Config("rowwise", "delayed"), ValueError, "delayed"),
     ("history of 0", lambda d: kp_precision.Float8Config(scaling="delayed", history_len=0), ValueError, "history_len"),
     ("grad_dtype float16", lambda d: kp_precision.Float8Config(grad_dtype=torch.float16), TypeError, "grad_dtype"),
+    (
+        "fast_accum_output not a bool",
+        lambda d: kp_precision.Float8Config(fast_accum_output="yes"),
+        TypeError,
+        "fast_accum_output",
+    ),
     ("features not multiples of 16", lambda d: kp_precision.Float8Linear(30, 16), ValueError, "multiples of 16"),
     ("integer input", lambda d: _layer(d)(torch.ones(4, 32, dtype=torch.int32, device=d)), TypeError, "input"),
     ("input's last dim", lambda d: _layer(d)(torch.ones(4, 48, device=d)), ValueError, "in_features"),
