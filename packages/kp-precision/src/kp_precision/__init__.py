@@ -1,6 +1,7 @@
 """kp-precision: float8 and MX quantisation, scaled matmul, float8 training and inference linears, QAT,
 fused linear + activation in Triton."""
 
+from kp_precision.auto import auto_filter
 from kp_precision.float8 import Float8Tensor
 from kp_precision.functional import (
     dequantize,
@@ -29,6 +30,7 @@ __all__ = [
     "MXTensor",
     "QATLinear",
     "QuantizedLinear",
+    "auto_filter",
     "convert",
     "convert_to_float8_inference",
     "convert_to_float8_training",

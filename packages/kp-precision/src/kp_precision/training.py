@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kp_precision.auto import auto_filter
 from kp_precision.functional import quantize, scaled_mm
 from kp_precision.swap import swap_linears
 
@@ -255,12 +256,20 @@ def convert_to_float8_training(
 ) -> nn.Module:
     """Swap model's nn.Linear layers for Float8Linear in place (sharing their parameters) and return model.
 
-    `module_filter_fn(module, fqn) -> bool` picks layers (all by default); `recipe` is a shortcut for
-    `Float8Config(recipe=...)`, `config` the whole setting. Layers whose in_features or out_features is not a
-    multiple of 16 stay nn.Linear (one warning names them); `verbose=True` prints each converted layer."""
+    `module_filter_fn(module, fqn) -> bool` picks layers (all by default; "auto": those measured faster in
+    float8 on their GPU, see kp_precision.auto_filter); `recipe` is a shortcut for `Float8Config(recipe=...)`,
+    `config` the whole setting. Layers whose in_features or out_features is not a multiple of 16 stay nn.Linear
+    (one warning names them); `verbose=True` prints each converted layer."""
     if recipe is not None and config is not None:
         raise ValueError("convert_to_float8_training: give recipe or config, not both")
     config = config or Float8Config(recipe=recipe or "tensorwise")
+    if isinstance(module_filter_fn, str):
+        if module_filter_fn != "auto":
+            raise ValueError(
+                f"convert_to_float8_training: module_filter_fn must be a callable, None or 'auto', "
+                f"got {module_filter_fn!r}"
+            )
+        module_filter_fn = auto_filter(config)
     make = lambda linear: Float8Linear.from_linear(linear, config=config)  # noqa: E731
     label = f"{config.recipe}, {config.scaling}"
     return swap_linears(model, "convert_to_float8_training", module_filter_fn, make, verbose, label)
