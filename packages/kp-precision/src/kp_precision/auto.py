@@ -21,6 +21,8 @@ import warnings
 import torch
 from torch import nn
 
+from kp_precision.swap import needs_16
+
 _MEASURED: dict[tuple, tuple[float, float]] = {}
 
 
@@ -57,10 +59,11 @@ def _measure(linear: nn.Linear, config, tokens: int, compiled: bool) -> tuple[fl
 def _measured(linear: nn.Linear, config, tokens: int, compiled: bool) -> tuple[float, float]:
     """_measure, once per shape, weight dtype, device and setting in this process."""
     w = linear.weight
-    key = (linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device, config, tokens)
-    if key + (compiled,) not in _MEASURED:
-        _MEASURED[key + (compiled,)] = _measure(linear, config, tokens, compiled)
-    return _MEASURED[key + (compiled,)]
+    key = (linear.in_features, linear.out_features, linear.bias is not None, w.dtype, w.device)
+    key += (config, tokens, compiled)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(linear, config, tokens, compiled)
+    return _MEASURED[key]
 
 
 def _on_gpu(module: nn.Module) -> bool:
@@ -91,7 +94,7 @@ def auto_filter(recipe="tensorwise", *, tokens: int = 8192, min_speedup: float =
                 warnings.warn("auto_filter: measures on a CUDA device; layers elsewhere stay nn.Linear", stacklevel=2)
                 warned.append(True)
             return False
-        if module.in_features % 16 or module.out_features % 16:
+        if needs_16(module):
             return True  # the conversion skips it and says why
         dense_ms, float8_ms = _measured(module, config, tokens, compiled)
         return float8_ms * min_speedup <= dense_ms
