@@ -106,6 +106,21 @@ def test_activations(dtype, activation):
         check((37, 80), 48, dtype, activation, bias, seed=3, family="large", grad=grad)
 
 
+@pytest.mark.conformance(kernel="linear_activation", prop="values")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@pytest.mark.parametrize("tma", (True, False), ids=("tma", "pointers"))
+def test_both_kernels(dtype, tma):
+    """Each forward kernel pinned in turn: the TMA one (Triton with tensor descriptors, 16-byte aligned rows) and
+    the pointer one (every other case), on a shape that crosses tiles in both directions, training."""
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    if tma and la_mod.TensorDescriptor is None:
+        pytest.skip("this Triton has no host tensor descriptors (3.4+): the TMA kernel cannot run here")
+    with kp_core.pinned("_linear_activation", tma=tma), kp_core.record_launches() as rec:
+        check((70, 96), 80, dtype, "gelu", True, seed=5)
+    forward = rec.kernels(OP) & {"_linear_activation", "_scaled_mm"}
+    assert forward == {"_linear_activation" if tma else "_scaled_mm"}, rec.launches
+
+
 @pytest.mark.conformance(kernel="linear_activation", prop="no_mutation")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_no_mutation(dtype):

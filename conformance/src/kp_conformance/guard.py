@@ -15,6 +15,7 @@ the copies).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 
@@ -129,6 +130,15 @@ def _distance(byte: int, span: tuple[int, int]) -> int:
     return max(span[0] - byte, byte - span[1] + 1, 0)
 
 
+def _addressed(arg) -> torch.Tensor | None:
+    """The tensor a kernel argument addresses: the argument itself, or a TMA tensor descriptor's base (the
+    descriptor is rebuilt on the guarded copy, so its loads and stores are checked like a pointer's)."""
+    if isinstance(arg, torch.Tensor):
+        return arg
+    base = getattr(arg, "base", None) if dataclasses.is_dataclass(arg) else None
+    return base if isinstance(base, torch.Tensor) else None
+
+
 class Guard:
     """The object kp_core.set_guard installs (see the module docstring)."""
 
@@ -136,7 +146,8 @@ class Guard:
         census.note(kernel, consts)
         groups: dict[tuple, list] = {}
         for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and a.numel() > 0:
+            a = _addressed(a)
+            if a is not None and a.numel() > 0:
                 key = (a.device, a.untyped_storage().data_ptr())
                 groups.setdefault(key, []).append((i, a))
         if not groups:
@@ -147,7 +158,8 @@ class Guard:
             new = list(args)
             for g in guarded:
                 for i, t in g.views:
-                    new[i] = g.rehomed(t)
+                    home = g.rehomed(t)
+                    new[i] = home if isinstance(args[i], torch.Tensor) else dataclasses.replace(args[i], base=home)
             names = _arg_names(kernel, len(args))
             what = f"{op}: kernel {_kernel_name(kernel)}"
             global _READS

@@ -171,21 +171,27 @@ def launch(
     consts: dict,
     num_warps: int = 4,
     num_stages: int | None = None,
+    plain: bool = False,
 ) -> None:
     """Run `kernel[grid](*args, **consts)` with the launch options, and note it under `op`.
 
     `args` are the runtime arguments in the kernel's order, `consts` its constexprs by name. The constexprs
-    must follow the runtime arguments in the kernel's signature (kp's kernels are written that way)."""
+    must follow the runtime arguments in the kernel's signature (kp's kernels are written that way). `plain`:
+    always through Triton's own launcher, for arguments only it translates (TMA tensor descriptors)."""
     if _guard is not None:
         _guard.launch(
-            op, kernel, args, consts, lambda a: _launch(op, backend, kernel, grid, a, consts, num_warps, num_stages)
+            op,
+            kernel,
+            args,
+            consts,
+            lambda a: _launch(op, backend, kernel, grid, a, consts, num_warps, num_stages, plain),
         )
         return
-    _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages)
+    _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plain)
 
 
-def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages) -> None:
-    if backend == INTERPRET or not _FAST:
+def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plain=False) -> None:
+    if backend == INTERPRET or not _FAST or plain:
         _check_order(kernel, args, consts)
         kernel[grid](*args, **consts, **_options(num_warps, num_stages))
     else:

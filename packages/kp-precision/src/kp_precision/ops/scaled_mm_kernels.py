@@ -46,17 +46,23 @@ def _dot(a, b, acc, SOFT: tl.constexpr, PROMOTE_K: tl.constexpr):
 
 
 @triton.jit
-def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """The rows and columns of this program's tile of C, in grouped order: GROUP_M row tiles share each column
+def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """First row and column of output tile number `tile`, in grouped order: GROUP_M row tiles share each column
     tile while its B block is in L2."""
-    pid = tl.program_id(0)
     n_m = tl.cdiv(M, BLOCK_M)
     n_n = tl.cdiv(N, BLOCK_N)
-    first_m = (pid // (GROUP_M * n_n)) * GROUP_M
+    first_m = (tile // (GROUP_M * n_n)) * GROUP_M
     size_m = min(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
-    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m = first_m + (tile % (GROUP_M * n_n)) % size_m
+    pid_n = (tile % (GROUP_M * n_n)) // size_m
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The rows and columns of this program's tile of C (_tile_origin's order)."""
+    row, col = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    return row + tl.arange(0, BLOCK_M), col + tl.arange(0, BLOCK_N)
 
 
 @triton.jit

@@ -3,8 +3,11 @@
 Precise (use_fast_accum=False) tensorwise and per-row / per-column calls go to torch._scaled_mm, whose
 accumulation matches the kernel's promotion every 128 and which runs it about 3x faster on the H100. Whether the
 installed torch takes the dtypes and scale kinds on a device is tried once on a small case and cached; a call it
-then refuses falls back to the kernel. kp_core.settings("scaled_mm_route", cublas=False) turns the route off (the
-conformance specs check the kernel that way, and the route on its own).
+then refuses falls back to the kernel. Blockwise calls with 1 x 128 blocks of A and 128 x 128 blocks of B go to
+torch.nn.functional.scaled_mm's blockwise recipe where the installed torch has it (it promotes every 128 like
+the kernel, fast or not); a call it refuses (its dtypes, shapes or this GPU) runs the kernel.
+kp_core.settings("scaled_mm_route", cublas=False) turns the route off (the conformance specs check the kernel
+that way, and the route on its own).
 """
 
 import torch
@@ -36,24 +39,60 @@ def _takes(a, b, scale_a, scale_b) -> bool:
     return _TAKES[key]
 
 
+def _blockwise_kinds(layouts) -> tuple | None:
+    """torch.nn.functional.scaled_mm's ScalingType names of a blockwise pair kp routes, else None."""
+    if not hasattr(torch.nn.functional, "ScalingType"):
+        return None
+    # 1 x 128 blocks of both operands (the weight gradient's cast along M) stay on the kernel: the scale layout
+    # cuBLASLt wants for B then was not pinned down on the H100 yet (docs/ops/scaled_mm.md)
+    if tuple(layouts[0]) == (1, True) and tuple(layouts[1]) == (128, True):
+        return ("BlockWise1x128", "BlockWise128x128")
+    return None
+
+
 def routes(a, b, scale_a, scale_b, layouts, use_fast_accum) -> bool:
     """Whether this call goes to cuBLASLt. layouts: scale_layout() of scale_a and scale_b (rows, along K)."""
-    if use_fast_accum or layouts[0][1] or layouts[1][1]:
-        return False  # fast: the kernel runs at torch._scaled_mm's speed with the epilogue fused; blockwise: kernel
     if not kp_core.settings("scaled_mm_route", cublas=True)["cublas"]:
         return False
+    if layouts[0][1] or layouts[1][1]:
+        return _blockwise_kinds(layouts) is not None
+    if use_fast_accum:
+        return False  # the kernel runs at torch._scaled_mm's speed with the epilogue fused
     return _takes(a, b, scale_a, scale_b)
 
 
-def run(a, b, scale_a, scale_b, bias, activation, out_dtype, act_fn):
-    """torch._scaled_mm's product, then bias and the activation in float32 and one cast (the kernel's epilogue
+def _outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """A (rows, K-blocks) scale stored rows fastest, as cuBLASLt's 1 x 128 recipe reads it."""
+    return scale.t().contiguous().t()
+
+
+def _blockwise_call(a, b, scale_a, scale_b, kinds, out_dtype):
+    sa = _outer_major(scale_a)  # (M, K/128)
+    # B's 128 x 128 scale: (K/128, N/128), K-blocks fastest and padded to a multiple of 4 (never read)
+    kb, nb = scale_b.shape
+    sb = torch.ones((nb, -(-kb // 4) * 4), device=scale_b.device)
+    sb[:, :kb] = scale_b.t()
+    sb = sb.t()
+    kind = torch.nn.functional.ScalingType
+    return torch.nn.functional.scaled_mm(
+        a, b, sa, getattr(kind, kinds[0]), sb, getattr(kind, kinds[1]), output_dtype=out_dtype
+    )
+
+
+def run(a, b, scale_a, scale_b, layouts, bias, activation, out_dtype, act_fn):
+    """cuBLASLt's product, then bias and the activation in float32 and one cast (the kernel's epilogue
     rounding); None if it refuses the call."""
     plain = bias is None and activation == "none"
+    kinds = _blockwise_kinds(layouts) if layouts[0][1] or layouts[1][1] else None
     try:
-        y = _call(a, b, scale_a, scale_b, out_dtype if plain else torch.float32)
-    except RuntimeError:
+        if kinds:
+            y = _blockwise_call(a, b, scale_a.float(), scale_b.float(), kinds, out_dtype if plain else torch.float32)
+        else:
+            y = _call(a, b, scale_a, scale_b, out_dtype if plain else torch.float32)
+    except (RuntimeError, ValueError, NotImplementedError):
         return None
-    kp_core.note_launch("kp::scaled_mm", "torch._scaled_mm", LIBRARY)
+    name = "torch.nn.functional.scaled_mm" if kinds else "torch._scaled_mm"
+    kp_core.note_launch("kp::scaled_mm", name, LIBRARY)
     if plain:
         return y
     if bias is not None:

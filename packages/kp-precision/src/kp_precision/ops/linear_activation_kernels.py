@@ -1,0 +1,47 @@
+"""Triton kernel of the fused linear + activation forward on TMA (kp_precision.ops.linear_activation).
+
+Persistent: one program per SM walks the output tiles in grouped order (the scaled-matmul kernel's order),
+loading X (M, K) and W (N, K) tiles through TMA tensor descriptors, which fetch whole tiles asynchronously and
+zero-fill past the tensor's edges, so no masks; the bias, the activation and the cast run on the float32
+accumulator, and the descriptor store clips the tile at Y's edges. Needs Triton's host tensor descriptors
+(3.4+) and 16-byte aligned rows; the launcher uses the pointer kernel (scaled_mm_kernels._scaled_mm) otherwise.
+"""
+
+import triton
+import triton.language as tl
+
+from kp_precision.ops.scaled_mm_kernels import _activation, _tile_origin
+
+
+@triton.jit
+def _linear_activation(
+    X,
+    W,
+    Y,
+    PRE,
+    BIAS,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
+    """Y = act(X @ W.T + BIAS) with X, W, Y (and PRE, the value before the activation, when STORE_PRE) as
+    tensor descriptors of (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K) and (BLOCK_M, BLOCK_N) blocks."""
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), PROGRAMS):
+        row, col = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            acc = tl.dot(X.load([row, k]), W.load([col, k]).T, acc)
+        if HAS_BIAS:
+            rn = col + tl.arange(0, BLOCK_N)
+            acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if STORE_PRE:
+            PRE.store([row, col], acc.to(PRE.dtype))
+        Y.store([row, col], _activation(acc, ACT).to(Y.dtype))
