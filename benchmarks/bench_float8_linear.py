@@ -4,8 +4,9 @@
 
 x (M, K) bf16 through a linear K -> N with float32 master weights (the mixed-precision training layout), forward
 and forward+backward. Providers: bf16 nn.Linear (cuBLAS; eager and torch.compile), kp Float8Linear per recipe
-(eager and torch.compile), torchao's convert_to_float8_training with the same recipe under torch.compile (how
-torchao is meant to run). TFLOP/s = 2*M*K*N (forward) or 6*M*K*N (forward+backward) / time, CUDA-graph timing.
+(eager and torch.compile; tensorwise also with delayed scaling, whose casts skip the amax pass), torchao's
+convert_to_float8_training with the same recipe under torch.compile (how torchao is meant to run; torchao has
+dynamic scaling only). TFLOP/s = 2*M*K*N (forward) or 6*M*K*N (forward+backward) / time, CUDA-graph timing.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def layers(k: int, n: int) -> dict:
         f8 = kp_precision.Float8Linear.from_linear(copy.deepcopy(base), config=kp_precision.Float8Config(recipe))
         out[f"kp {recipe}"] = f8
         out[f"kp {recipe} (compile)"] = torch.compile(f8)
+        if recipe == "tensorwise":  # delayed scaling: the cast reads its input once (no amax pass before it)
+            config = kp_precision.Float8Config(recipe, scaling="delayed")
+            delayed = kp_precision.Float8Linear.from_linear(copy.deepcopy(base), config=config)
+            out["kp tensorwise delayed"] = delayed
+            out["kp tensorwise delayed (compile)"] = torch.compile(delayed)
         if recipe == "blockwise":
             print("torchao blockwise: not compared (its blockwise float8 training is a prototype with its own API)")
             continue

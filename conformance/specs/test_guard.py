@@ -29,8 +29,8 @@ def _sum_unmasked(X, Y, n, BLOCK: tl.constexpr):
     tl.store(Y, tl.sum(tl.load(X + i).to(tl.float32), axis=0))
 
 
-def _launch(kernel, args, **consts):
-    kp_core.launch("guard_test", kp_conformance.kernel_backend(), kernel, (1,), args, consts)
+def _launch(kernel, args, plain=False, **consts):
+    kp_core.launch("guard_test", kp_conformance.kernel_backend(), kernel, (1,), args, consts, plain=plain)
 
 
 def _copy_launch(x, y, shift=0):
@@ -66,6 +66,27 @@ def test_a_write_into_a_gap_of_a_strided_view_is_caught():
     with pytest.raises(GuardError, match="in a gap of"):
         _copy_launch(x, wide[:, 0], shift=1)  # lands on wide[:, 1]
     assert not wide.any(), "a caught launch must not copy its stray bytes back"
+
+
+@triton.jit
+def _copy_tile(X, Y, BLOCK: tl.constexpr):
+    """Y's first (BLOCK, BLOCK) tile = X's, through TMA tensor descriptors."""
+    Y.store([0, 0], X.load([0, 0]))
+
+
+@pytest.mark.conformance(kernel="guard", prop="catches_stray_writes")
+def test_tensor_descriptors_are_guarded_like_pointers():
+    """A descriptor's tensor is re-homed like a pointer's: a correct copy reaches the caller, and a descriptor
+    claiming more rows than its tensor has writes past it and is caught."""
+    descriptor = pytest.importorskip("triton.tools.tensor_descriptor", reason="Triton < 3.4").TensorDescriptor
+    x = torch.arange(256, dtype=torch.float32, device=kp_conformance.device()).reshape(16, 16)
+    y = torch.zeros_like(x)
+    _launch(_copy_tile, (descriptor.from_tensor(x, [16, 16]), descriptor.from_tensor(y, [16, 16])), True, BLOCK=16)
+    assert torch.equal(y, x)
+    short = torch.zeros(8, 16, device=x.device)
+    lying = descriptor(short, [16, 16], [16, 1], [16, 16])  # 16 rows claimed, 8 there
+    with pytest.raises(GuardError, match=r"kernel _copy_tile: wrote .* outside argument 'Y'"):
+        _launch(_copy_tile, (descriptor.from_tensor(x, [16, 16]), lying), True, BLOCK=16)
 
 
 @triton.jit

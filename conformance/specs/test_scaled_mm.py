@@ -402,6 +402,32 @@ def test_reference_is_independent():
 
 
 @pytest.mark.conformance(kernel="scaled_mm", prop="route")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+def test_route_epilogue(dtype, activation):
+    """The routed call's epilogue kernel on every tier: bias, activation and one cast of a float32 product (what
+    cuBLASLt returns), against float64 of the same float32 values; PyTorch's float32 epilogue for the 2x rule.
+    With a float32 output it writes in place, so the product's own tensor comes back."""
+    kc.skip_if_not_covered(dtype)
+    y32 = kc.make_input((37, 80), torch.float32, DEVICE, "contiguous", seed=7, family="large")
+    for bias in (None, kc.make_input((80,), dtype, DEVICE, "contiguous", seed=8)):
+        given_y = y32.clone()
+        with kp_core.record_launches() as rec:
+            out = route.epilogue(given_y, bias, activation or "none", dtype)
+        kc.assert_kernel_ran(rec, OP)
+        assert (out.data_ptr() == given_y.data_ptr()) == (dtype == torch.float32)
+        plus = y32.double() if bias is None else y32.double() + bias.double()
+        low = y32 if bias is None else y32 + bias.float()
+        kc.check_close(
+            f"route epilogue {activation} bias={bias is not None}",
+            out,
+            EPILOGUE[activation](plus),
+            EPILOGUE[activation](low).to(dtype),
+            dtype,
+        )
+
+
+@pytest.mark.conformance(kernel="scaled_mm", prop="route")
 def test_route():
     """On a GPU, a precise call whose scales are constant along K goes to torch._scaled_mm where the installed
     torch takes its dtypes and scale kinds, the epilogue in float32 (2x rule as everywhere); a fast or blockwise
@@ -421,8 +447,9 @@ def test_route():
                 a, b, sa, sb, bias=bias, activation="gelu", out_dtype=torch.float32, use_fast_accum=fast
             )
             routes = gpu and route.routes(a, b, sa, sb, layouts, fast)
-        if routes:
-            assert rec.backends(OP) == {route.LIBRARY}, f"{kinds}: expected torch._scaled_mm, got {rec.launches}"
+        if routes:  # cuBLASLt's product, then kp's epilogue kernel, never the GEMM kernel
+            assert route.LIBRARY in rec.backends(OP), f"{kinds}: expected cuBLASLt, got {rec.launches}"
+            assert "_scaled_mm" not in rec.kernels(OP) and "_epilogue" in rec.kernels(OP), rec.launches
             routed.append(kinds)
         else:
             kc.assert_kernel_ran(rec, OP)

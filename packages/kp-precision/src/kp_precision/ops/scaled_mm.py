@@ -18,10 +18,11 @@ loses bits. use_fast_accum=False (the default, as torch._scaled_mm's) adds each 
 one, which is what cuBLASLt does too (measured: the same error as torch._scaled_mm's); True lets the tensor cores
 sum all of K (torchao uses it for the forward). Triton's promotion every 128 runs at about a third of the fast
 kernel's speed on the H100 (benchmarks/results), so a precise call whose scales are constant along K goes to
-torch._scaled_mm (cuBLASLt) where the installed torch takes its dtypes and scale shapes, the epilogue then done in
-float32 by PyTorch ops (kp_precision.ops.scaled_mm_route). Blockwise calls (1 x 128 blocks of A, 128 x 128 of B)
-go to cuBLASLt's blockwise recipe (torch.nn.functional.scaled_mm) where the installed torch has it: the
-kernel's blockwise path promotes every 128 as it does, at about 0.55x its speed. Everything else runs the kernel.
+torch._scaled_mm (cuBLASLt) where the installed torch takes its dtypes and scale shapes, the epilogue then one
+elementwise kernel over its float32 product (kp_precision.ops.scaled_mm_route). Blockwise calls (1 x 128 blocks of
+A, 128 x 128 of B) go to cuBLASLt's blockwise recipe (torch.nn.functional.scaled_mm) where the installed torch has
+it: the kernel's blockwise path promotes every 128 as it does, at about 0.55x its speed. Everything else runs the
+kernel.
 """
 
 import torch
@@ -138,8 +139,7 @@ def forward(
     rows_b, k_b = scale_layout(scale_b, n, k, "b")
     layouts = ((rows_a, k_a), (rows_b, k_b))
     if backend == kp_core.TRITON and route.routes(a, b, scale_a, scale_b, layouts, use_fast_accum):
-        act = _reference_activation(activation)
-        y = route.run(a, b, scale_a, scale_b, layouts, bias, activation, out_dtype, act)
+        y = route.run(a, b, scale_a, scale_b, layouts, bias, activation, out_dtype)
         if y is not None:
             return y
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)  # after the route: it returns its own

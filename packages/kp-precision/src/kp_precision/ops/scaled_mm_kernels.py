@@ -176,3 +176,15 @@ def _activation_grad(DY, Z, DZ, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     else:
         d = tl.full(z.shape, 1.0, tl.float32)
     tl.store(DZ + offs, (dy * d).to(DZ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _epilogue(C, BIAS, OUT, n, cols, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT = act(C + BIAS) over n contiguous elements of a float32 (rows, cols) product, in float32, one rounding
+    to OUT's dtype: the epilogue of a product cuBLASLt made (OUT may be C)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(C + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(BIAS + offs % cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, _activation(y, ACT).to(OUT.dtype.element_ty), mask=mask)

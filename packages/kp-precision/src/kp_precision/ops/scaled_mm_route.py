@@ -14,8 +14,12 @@ import torch
 
 import kp_core
 
+if kp_core.has_triton():
+    from kp_precision.ops import scaled_mm_kernels as kernels
+
 # The launch record's backend for a call that ran on cuBLASLt.
 LIBRARY = "library"
+ELEMENTS = 4096  # per program of the epilogue
 _TAKES: dict[tuple, bool] = {}
 
 
@@ -79,9 +83,9 @@ def _blockwise_call(a, b, scale_a, scale_b, kinds, out_dtype):
     )
 
 
-def run(a, b, scale_a, scale_b, layouts, bias, activation, out_dtype, act_fn):
-    """cuBLASLt's product, then bias and the activation in float32 and one cast (the kernel's epilogue
-    rounding); None if it refuses the call."""
+def run(a, b, scale_a, scale_b, layouts, bias, activation, out_dtype):
+    """cuBLASLt's product, then bias, the activation and one cast to out_dtype (epilogue()); None if it refuses
+    the call."""
     plain = bias is None and activation == "none"
     kinds = _blockwise_kinds(layouts) if layouts[0][1] or layouts[1][1] else None
     try:
@@ -93,8 +97,24 @@ def run(a, b, scale_a, scale_b, layouts, bias, activation, out_dtype, act_fn):
         return None
     name = "torch.nn.functional.scaled_mm" if kinds else "torch._scaled_mm"
     kp_core.note_launch("kp::scaled_mm", name, LIBRARY)
-    if plain:
-        return y
-    if bias is not None:
-        y += bias
-    return act_fn(y).to(out_dtype)
+    return y if plain else epilogue(y, bias, activation, out_dtype)
+
+
+def epilogue(y: torch.Tensor, bias: torch.Tensor | None, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """act(y + bias) cast to out_dtype for a contiguous float32 (M, N) product, in one pass (the kernel's epilogue
+    rounding: the float32 sum, bias and activation rounded once); in place when out_dtype is float32."""
+    from kp_precision.ops.scaled_mm import ACTIVATIONS, _reference_activation  # here: scaled_mm imports this module
+
+    out = y if out_dtype == torch.float32 else torch.empty(y.shape, dtype=out_dtype, device=y.device)
+    if y.numel() == 0:
+        return out
+    backend = kp_core.choose_backend("kp::scaled_mm", y)
+    if backend == kp_core.REFERENCE:
+        kp_core.reference("kp::scaled_mm")
+        return out.copy_(_reference_activation(activation)(y if bias is None else y + bias.float()))
+    n = y.numel()
+    grid = -(-n // ELEMENTS)
+    args = (y, y if bias is None else bias, out, n, y.shape[1])
+    consts = dict(HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation), BLOCK=ELEMENTS)
+    kp_core.launch("kp::scaled_mm", backend, kernels._epilogue, (grid,), args, consts, 8)
+    return out
