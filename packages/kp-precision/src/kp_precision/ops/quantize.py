@@ -14,6 +14,8 @@ input's, for the caller's amax history. Divisions are IEEE round-to-nearest, as 
 float8_e4m3fn and 57344 for float8_e5m2, EPS 1e-12 (torchao's). Kernels: kp_precision.ops.quantize_kernels.
 """
 
+import functools
+
 import torch
 
 import kp_core
@@ -65,6 +67,11 @@ def _soft(backend: str) -> bool:
 def _tile(kernel: str, k: int, block_m: int, block_k: int, interpret: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_K, num_warps) of a launch of `kernel`: a key of TILES, whose settings a benchmark
     may pin (benchmarks/bench_quantize.py --tune); "_quantize_tensorwise" is _quantize's tensorwise mode."""
+    return _tile_for(kernel, k, block_m, block_k, interpret, kp_core.tuning.generation())
+
+
+@functools.lru_cache(maxsize=1024)  # on every launch: the Python of a cast is most of its cost at small sizes
+def _tile_for(kernel: str, k: int, block_m: int, block_k: int, interpret: bool, _generation: int):
     s = kp_core.settings(kernel, elements=TILES[kernel][0], num_warps=TILES[kernel][1])
     if block_m > 1:
         bm, bk = block_m, block_k
@@ -78,7 +85,20 @@ def _tile(kernel: str, k: int, block_m: int, block_k: int, interpret: bool) -> t
     return bm, bk, s["num_warps"]
 
 
-# ---- reference path (CPU without the interpreter, or KP_BACKEND=reference) ----
+@functools.lru_cache(maxsize=1024)
+def _consts(mode: int, block_m: int, block_k: int, delayed: bool, fp8: torch.dtype, soft: bool, pow2: bool):
+    """_quantize's constexprs, made once per combination (kp_core.Constexprs: a cheap launch key)."""
+    return kp_core.Constexprs(
+        MODE=mode,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        DELAYED=delayed,
+        FP8_MAX=fp8_max(fp8),
+        EPS=EPS,
+        E5M2=fp8 == torch.float8_e5m2,
+        SOFT=soft,
+        POW2=pow2,
+    )
 
 
 def _blocks(x2: torch.Tensor, block_m: int, block_k: int) -> torch.Tensor:
@@ -129,7 +149,6 @@ def _launch_quantize(op, x2, data, scale_in, fp8, block_m, block_k, power_of_2):
     m, k = x2.shape
     soft = _soft(backend)
     y = data.view(torch.uint8) if soft else data
-    common = dict(FP8_MAX=fp8_max(fp8), EPS=EPS, E5M2=fp8 == torch.float8_e5m2, SOFT=soft, POW2=power_of_2)
     if block_m == 0:  # tensorwise: the amax as int32 bits (see the kernels' docstring), then the cast
         amax_bits = torch.zeros((), dtype=torch.int32, device=x2.device)
         delayed = scale_in is not None
@@ -141,7 +160,7 @@ def _launch_quantize(op, x2, data, scale_in, fp8, block_m, block_k, power_of_2):
         scale = scale_in.float().reshape(()) if delayed else torch.empty((), device=x2.device)
         bm, bk, warps = _tile("_quantize_tensorwise", k, 0, 0, interpret)
         grid = -(-m // bm) * -(-k // bk)
-        consts = dict(MODE=0, BLOCK_M=bm, BLOCK_K=bk, DELAYED=delayed, **common)
+        consts = _consts(0, bm, bk, delayed, fp8, soft, power_of_2)
         args = (x2, x2.stride(0), y, y.stride(0), scale, 0, amax_bits, m, k)
         kp_core.launch(op, backend, kernels._quantize, (grid,), args, consts, warps)
         return (scale.clone() if delayed else scale), amax_bits.view(torch.float32)
@@ -152,7 +171,8 @@ def _launch_quantize(op, x2, data, scale_in, fp8, block_m, block_k, power_of_2):
         cfg = kp_core.row_config(op, k, x2.element_size())
         if cfg.looped:
             args = (x2, x2.stride(0), y, y.stride(0), scale, amax, m, k)
-            consts = dict(BLOCK_K=cfg.block_cols, **common)
+            consts = dict(BLOCK_K=cfg.block_cols, FP8_MAX=fp8_max(fp8), EPS=EPS, E5M2=fp8 == torch.float8_e5m2)
+            consts.update(SOFT=soft, POW2=power_of_2)
             kp_core.launch(op, backend, kernels._quantize_rows_looped, (m,), args, consts, cfg.num_warps)
             return scale, amax
         bm, bk, warps = cfg.block_rows * (INTERPRET_SCALE if interpret else 1), cfg.block_cols, cfg.num_warps
@@ -163,7 +183,7 @@ def _launch_quantize(op, x2, data, scale_in, fp8, block_m, block_k, power_of_2):
         mode = 1 if block_m == 1 else 2
     grid = -(-m // bm) * -(-k // bk)
     kp_core.check_index_fits(op, "the launch grid (programs)", grid)
-    consts = dict(MODE=mode, BLOCK_M=bm, BLOCK_K=bk, DELAYED=False, **common)
+    consts = _consts(mode, bm, bk, False, fp8, soft, power_of_2)
     args = (x2, x2.stride(0), y, y.stride(0), scale, scale.stride(0), amax, m, k)
     kp_core.launch(op, backend, kernels._quantize, (grid,), args, consts, warps)
     return scale, amax
