@@ -23,7 +23,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 TIER = kc.current()
 DEVICE = kc.device()
-OPS = ("kp::quantize", "kp::dequantize")
+OPS = ("kp::quantize", "kp::dequantize", "kp::transpose_fp8")
 # (granularity, block) pairs; square blocks need 2-D inputs
 RECIPES = (
     ("tensorwise", None),
@@ -396,3 +396,18 @@ def test_reference_is_independent():
         data, scale, amax = ref_quantize(x, torch.float8_e4m3fn, "tensorwise", None, torch.ones(()))
     assert rec.count() == 0
     assert data.float().tolist() == [[16.0, 18.0, 20.0, -448.0]] and scale == 1 and amax == 448
+
+
+@pytest.mark.conformance(kernel="quantize", prop="values")
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+def test_transpose_fp8(fp8):
+    """kp::transpose_fp8 (the float8 training backward's transposing copy): bit for bit data.t().contiguous(),
+    every byte value included, on shapes that end in partial tiles both ways and on row-strided data."""
+    for m, n in ((1, 1), (17, 33), (130, 70), (64, 256)):
+        bits = torch.arange(m * n, device=DEVICE).remainder(256).to(torch.uint8).reshape(m, n)
+        for data in (bits.view(fp8), torch.cat([bits, bits], 1)[:, :n].view(fp8)):
+            with kp_core.record_launches() as rec:
+                out = quantize_mod.TRANSPOSE(data)
+            kc.assert_kernel_ran(rec, "kp::transpose_fp8")
+            assert out.dtype == fp8 and out.is_contiguous()
+            assert torch.equal(out.view(torch.uint8), data.view(torch.uint8).t()), (m, n)

@@ -34,6 +34,7 @@ from torch import nn
 
 from kp_precision.auto import auto_filter
 from kp_precision.functional import quantize, scaled_mm
+from kp_precision.ops.quantize import TRANSPOSE
 from kp_precision.swap import swap_linears
 
 E4M3 = torch.float8_e4m3fn
@@ -90,8 +91,8 @@ def _cast(t, fp8, config, *, weight=False, scale=None):
 
 
 def _column_major(data):
-    """float8 (R, C) row-major data as the same matrix laid out column-major (one transposing copy)."""
-    return data.t().contiguous().t()
+    """float8 (R, C) row-major data as the same matrix laid out column-major (one tiled transposing copy)."""
+    return TRANSPOSE(data).t()
 
 
 def _scale_t(scale):
@@ -162,7 +163,7 @@ class _Float8Matmul(torch.autograd.Function):
             x_data, x_scale, w_data, w_scale, _, hg = saved
             qg = _cast(gy, gfp8, config) if hg is None else _delayed_cast(gy, gfp8, config, hg, ctx.first)
             gx = _input_grad(qg, w_data, w_scale, dtype)
-            gw = scaled_mm(qg.data.t().contiguous(), _column_major(x_data), qg.scale, x_scale, out_dtype=dtype)
+            gw = scaled_mm(TRANSPOSE(qg.data), _column_major(x_data), qg.scale, x_scale, out_dtype=dtype)
         else:  # blockwise
             _, _, w_data, w_scale, x2, _ = saved
             qg = _cast(gy, gfp8, config)  # 1 x 128 along N

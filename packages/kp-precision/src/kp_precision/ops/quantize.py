@@ -25,6 +25,7 @@ if kp_core.has_triton():
 
 OP = "kp::quantize"
 OP_DEQ = "kp::dequantize"
+OP_T = "kp::transpose_fp8"
 PACKAGE = "kp-precision"
 SPEC = "quantize"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -35,6 +36,9 @@ EPS = 1e-12
 # The interpreter runs programs one after another, so it gets 16x bigger tiles.
 TILES = {"_amax": (16384, 16), "_quantize_tensorwise": (4096, 4), "_quantize": (4096, 8), "_dequantize": (4096, 8)}
 INTERPRET_SCALE = 16
+# The transpose's square tile on a GPU (bytes per side) and under the interpreter (small: tests cross tiles).
+TRANSPOSE_BLOCK = 64
+INTERPRET_TRANSPOSE_BLOCK = 16
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -255,6 +259,28 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block_m: int, block_k: i
     return out
 
 
+def transpose(data: torch.Tensor) -> torch.Tensor:
+    """float8 (M, N) data with unit column stride as (N, M) row-major: data.t().contiguous() in one tiled pass.
+    The float8 training backward needs its operands' float8 data transposed, and a plain transposing copy of
+    one-byte elements writes one byte per row per lane."""
+    m, n = data.shape
+    out = torch.empty((n, m), dtype=data.dtype, device=data.device)
+    if out.numel() == 0:
+        return out
+    data = data if data.stride(1) == 1 or n == 1 else data.contiguous()
+    backend = kp_core.choose_backend(OP_T, data)
+    if backend == kp_core.REFERENCE:
+        kp_core.reference(OP_T)
+        return out.copy_(data.t())
+    block = INTERPRET_TRANSPOSE_BLOCK if backend == kp_core.INTERPRET else TRANSPOSE_BLOCK
+    grid = -(-m // block) * -(-n // block)
+    kp_core.check_index_fits(OP_T, "the launch grid (programs)", grid)
+    x, y = data.view(torch.uint8), out.view(torch.uint8)  # bytes: no float8 decoding anywhere
+    args = (x, x.stride(0), y, y.stride(0), m, n)
+    kp_core.launch(OP_T, backend, kernels._transpose, (grid,), args, dict(BLOCK=block), 4)
+    return out
+
+
 # ---- declarations ----
 
 QUANTIZE = kp_core.op(OP, forward, _quantize_fake, package=PACKAGE, spec=SPEC, dtypes=DTYPES)
@@ -263,6 +289,15 @@ DEQUANTIZE = kp_core.op(
     OP_DEQ,
     dequantize,
     lambda data, scale, block_m, block_k, dtype: torch.empty(data.shape, dtype=dtype, device=data.device),
+    package=PACKAGE,
+    spec=SPEC,
+    dtypes=FP8_DTYPES,
+)
+
+TRANSPOSE = kp_core.op(
+    OP_T,
+    transpose,
+    lambda data: data.new_empty((data.shape[1], data.shape[0])),
     package=PACKAGE,
     spec=SPEC,
     dtypes=FP8_DTYPES,

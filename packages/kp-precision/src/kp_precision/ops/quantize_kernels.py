@@ -252,3 +252,15 @@ def _dequantize(
         d = raw.to(tl.float32)
     s = tl.load(SCALE + (r64 // BM) * stride_s0 + (cols[None, :] // BK) * stride_s1, mask=mask, other=1.0)
     tl.store(Y + r64 * stride_y + cols[None, :], (d * s).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _transpose(X, stride_x, Y, stride_y, M, N, BLOCK: tl.constexpr):
+    """Y (N, M) = X (M, N).T for one-byte elements (float8 data as uint8): a BLOCK x BLOCK tile per program, read
+    along X's rows and written along Y's rows (Triton moves the tile through shared memory between the two)."""
+    tiles_n = tl.cdiv(N, BLOCK)
+    rm = (tl.program_id(0) // tiles_n) * BLOCK + tl.arange(0, BLOCK)
+    rn = (tl.program_id(0) % tiles_n) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + rm.to(tl.int64)[:, None] * stride_x + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :])
+    mask = (rn < N)[:, None] & (rm < M)[None, :]
+    tl.store(Y + rn.to(tl.int64)[:, None] * stride_y + rm[None, :], tl.trans(x), mask=mask)
