@@ -43,3 +43,20 @@ def test_a_small_model_trains_in_float8_as_in_float32(recipe, monkeypatch):
     assert ours[-1] < 0.2 * ours[0], f"float8 {recipe} did not learn: {ours[0]:.3f} -> {ours[-1]:.3f}"
     # measured: within 1.3 % of float32 after 200 steps for each recipe (float32 0.759)
     assert abs(ours[-1] - base[-1]) <= 0.03 * base[-1], f"float8 {recipe} {ours[-1]:.4f} vs float32 {base[-1]:.4f}"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "rowwise"])
+def test_the_backward_keeps_only_what_it_reads(recipe, monkeypatch):
+    """Activation memory: tensorwise keeps the input's float8 data and not the 16-bit input; blockwise keeps the
+    16-bit input (cast again along M for the weight gradient) and not its float8 data; rowwise keeps the input."""
+    monkeypatch.setenv("KP_BACKEND", "reference")
+    layer = kp_precision.Float8Linear.from_linear(
+        nn.Linear(256, 128, bias=False, device=DEVICE), config=kp_precision.Float8Config(recipe)
+    )
+    x = torch.randn(64, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x).float().sum().backward()
+    kept = {t.dtype for t in saved if tuple(t.shape) == (64, 256)}
+    expected = {"tensorwise": {torch.float8_e4m3fn}, "blockwise": {torch.bfloat16}, "rowwise": {torch.bfloat16}}
+    assert kept == expected[recipe], kept

@@ -135,10 +135,13 @@ class _Float8Matmul(torch.autograd.Function):
             use_fast_accum=config.fast_accum_output,
         )
         hg = None if histories is None else histories[2]
+        # Only what the backward reads stays alive: the 16-bit input only where it is cast again along M
         if config.recipe == "rowwise":  # the backward quantises along the other dims: keep the originals
             ctx.save_for_backward(x2, weight, hg)
-        else:  # tensorwise and blockwise reuse the float8 data of the forward, transposed
-            ctx.save_for_backward(qx.data, qx.scale, qw.data, qw.scale, x2, hg)
+        elif config.recipe == "tensorwise":  # reuses the forward's float8 data, transposed
+            ctx.save_for_backward(qx.data, qx.scale, qw.data, qw.scale, hg)
+        else:  # blockwise: the weight's float8 data for gx, the input cast again along M for gw
+            ctx.save_for_backward(qw.data, qw.scale, x2)
         ctx.config, ctx.first, ctx.dtypes = (
             config,
             first,
@@ -160,12 +163,12 @@ class _Float8Matmul(torch.autograd.Function):
             gx = scaled_mm(qg.data, qwt.data.t(), qg.scale, qwt.scale.t(), out_dtype=dtype)
             gw = _weight_grad_along_m(gy, x2, gfp8, config, dtype)
         elif config.recipe == "tensorwise":
-            x_data, x_scale, w_data, w_scale, _, hg = saved
+            x_data, x_scale, w_data, w_scale, hg = saved
             qg = _cast(gy, gfp8, config) if hg is None else _delayed_cast(gy, gfp8, config, hg, ctx.first)
             gx = _input_grad(qg, w_data, w_scale, dtype)
             gw = scaled_mm(TRANSPOSE(qg.data), _column_major(x_data), qg.scale, x_scale, out_dtype=dtype)
         else:  # blockwise
-            _, _, w_data, w_scale, x2, _ = saved
+            w_data, w_scale, x2 = saved
             qg = _cast(gy, gfp8, config)  # 1 x 128 along N
             # b = w (N, K) column-major, contracted over N: w's (N/128, K/128) scale is (K-blocks, N-blocks) of b
             gx = _input_grad(qg, w_data, w_scale, dtype)
