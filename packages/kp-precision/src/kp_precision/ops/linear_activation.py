@@ -6,9 +6,9 @@
 
 The forward GEMM is a persistent TMA kernel (kp_precision.ops.linear_activation_kernels) where the installed
 Triton has host tensor descriptors and the rows are 16-byte aligned, else the float8 scaled-matmul kernel
-(kp_precision.ops.scaled_mm_kernels) with 16-bit operands and unit scales (on the H100 the TMA kernel runs at
-580-640 TFLOP/s where the pointer kernel ran at 490-510: benchmarks/results). Either stores z beside y only when
-a backward will need it.
+(kp_precision.ops.scaled_mm_kernels) with 16-bit operands and unit scales (on the H100, in a standalone run of
+the same kernel, 580-640 TFLOP/s where the pointer kernel ran at 490-510: docs/ops/linear_activation.md). Either
+stores z beside y only when a backward will need it.
 """
 
 import torch
@@ -97,7 +97,6 @@ def _launch_tma(backend, x, weight, bias, y, pre, activation, interpret) -> None
         if x.device not in _SMS:
             _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count
         programs = _SMS[x.device]
-    programs = min(programs, tiles)
     desc = TensorDescriptor.from_tensor
     out = desc(y, [bm, bn])
     args = (desc(x, [bm, bk]), desc(weight, [bn, bk]), out, out if pre is None else desc(pre, [bm, bn]))
@@ -105,7 +104,8 @@ def _launch_tma(backend, x, weight, bias, y, pre, activation, interpret) -> None
     consts = dict(HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation), STORE_PRE=pre is not None)
     consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, PROGRAMS=programs)
     kernel = tma_kernels._linear_activation
-    kp_core.launch(OP, backend, kernel, (programs,), args, consts, s["num_warps"], s["num_stages"], plain=True)
+    grid = (min(programs, tiles),)  # fewer tiles than programs: one program each (PROGRAMS stays a constant)
+    kp_core.launch(OP, backend, kernel, grid, args, consts, s["num_warps"], s["num_stages"], plain=True)
 
 
 def _activation_grad(dy: torch.Tensor, pre: torch.Tensor, activation: str) -> torch.Tensor:

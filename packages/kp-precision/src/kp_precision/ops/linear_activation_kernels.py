@@ -33,7 +33,9 @@ def _linear_activation(
     PROGRAMS: tl.constexpr,
 ):
     """Y = act(X @ W.T + BIAS) with X, W, Y (and PRE, the value before the activation, when STORE_PRE) as
-    tensor descriptors of (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K) and (BLOCK_M, BLOCK_N) blocks."""
+    tensor descriptors of (BLOCK_M, BLOCK_K), (BLOCK_N, BLOCK_K) and (BLOCK_M, BLOCK_N) blocks; program p takes
+    tiles p, p + PROGRAMS, ... (PROGRAMS is the device's SM count, fixed per device so that one compiled kernel
+    serves every size; a launch with fewer tiles than that starts one program per tile)."""
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), PROGRAMS):
         row, col = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
