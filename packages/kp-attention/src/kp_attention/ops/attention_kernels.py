@@ -136,12 +136,13 @@ def _scores(s, qk_scale, sc_in, sc_out, SOFTCAP: tl.constexpr, IEEE: tl.constexp
     if SOFTCAP:
         if IEEE:
             e = tl.math.exp2(-tl.abs(s.to(tl.float64)) * sc_in)
-            th = ((1.0 - e) / (1.0 + e)).to(tl.float32)
         else:
             e = tl.math.exp2(-tl.abs(s) * sc_in)
-            th = (1.0 - e) / (1.0 + e)
+        th = (1.0 - e) / (1.0 + e)
         th = tl.where(s < 0, -th, th)
-        return th * sc_out, th  # sc_out = softcap (times log2(e) outside the IEEE path)
+        # sc_out = softcap (times log2(e) outside the IEEE path); on the IEEE path th and the product are fp64,
+        # rounded once (rounding tanh first, then the product, doubled the logit's error)
+        return (th * sc_out).to(tl.float32), th.to(tl.float32)
     else:
         return (s * qk_scale).to(tl.float32), s
 
