@@ -37,7 +37,6 @@ INTERPRET_TILE = (16, 32, 32, 1, 1, 2)
 # interpreter, how many persistent programs walk the tiles (two: the loop over tiles runs more than once).
 TMA_TILE = (128, 256, 64, 8, 3, 8)
 INTERPRET_PROGRAMS = 2
-_SMS: dict = {}
 ELEMENTS = 4096  # per program of the activation's backward
 
 
@@ -91,12 +90,7 @@ def _launch_tma(backend, x, weight, bias, y, pre, activation, interpret) -> None
     s = kp_core.settings("_linear_activation", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     bm, bn, bk = s["block_m"], s["block_n"], s["block_k"]
     tiles = -(-m // bm) * -(-n // bn)
-    if interpret:
-        programs = INTERPRET_PROGRAMS
-    else:
-        if x.device not in _SMS:
-            _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count
-        programs = _SMS[x.device]
+    programs = INTERPRET_PROGRAMS if interpret else kp_core.sm_count(x.device.index)
     desc = TensorDescriptor.from_tensor
     out = desc(y, [bm, bn])
     args = (desc(x, [bm, bk]), desc(weight, [bn, bk]), out, out if pre is None else desc(pre, [bm, bn]))
