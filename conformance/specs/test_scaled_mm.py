@@ -430,16 +430,18 @@ def test_route_epilogue(dtype, activation):
 @pytest.mark.conformance(kernel="scaled_mm", prop="route")
 def test_route():
     """On a GPU, a precise call whose scales are constant along K goes to torch._scaled_mm where the installed
-    torch takes its dtypes and scale kinds, the epilogue in float32 (2x rule as everywhere); a fast or blockwise
-    call, and every call under the interpreter, runs the kernel. Tensorwise e4m3, which every torch with float8
-    takes, must route."""
-    m, k, n = 64, 256, 128
+    torch takes its dtypes and scale kinds, and a blockwise call (1 x 128 blocks of a; 128 x 128 or 1 x 128 of b)
+    to torch.nn.functional.scaled_mm, the epilogue in float32 (2x rule as everywhere); a fast call, and every call
+    under the interpreter, runs the kernel. Tensorwise e4m3, which every torch with float8 takes, must route, and
+    both blockwise pairs must on an sm_90 GPU whose torch has the blockwise recipes."""
+    m, k, n = 64, 256, 128  # two K-blocks: with one, a 1 x 128 scale is a per-row one (and routed as that)
     a, b = operand(m, k, torch.float8_e4m3fn, 1), operand(n, k, torch.float8_e4m3fn, 2).t()
     bias = kc.make_input((n,), torch.float32, DEVICE, "contiguous", seed=3)
     gpu = DEVICE.type == "cuda" and not kc.interpreting()
     routed = []
     cases = ((("tensor", "tensor"), False), (("row", "column"), False), (("tensor", "tensor"), True))
-    for kinds, fast in (*cases, (("block", "square"), False)):
+    blockwise = ((("block", "square"), False), (("block", "block"), False))
+    for kinds, fast in (*cases, *blockwise):
         sa, sb = make_scale(kinds[0], m, k, "a", 4), make_scale(kinds[1], n, k, "b", 5)
         layouts = (mm.scale_layout(sa, m, k, "a"), mm.scale_layout(sb, n, k, "b"))
         with kp_core.pinned("scaled_mm_route", cublas=True), kp_core.record_launches() as rec:
@@ -456,3 +458,5 @@ def test_route():
         ref, low = references(a, b, sa, sb, bias, "gelu", torch.float32, fast)
         kc.check_close(f"route {kinds} fast={fast}", y, ref, low, torch.float32)
     assert ("tensor", "tensor") in routed or not gpu, "a precise tensorwise call did not go to torch._scaled_mm"
+    if gpu and hasattr(F, "ScalingType") and torch.cuda.get_device_capability(DEVICE) == (9, 0):
+        assert {("block", "square"), ("block", "block")} <= set(routed), f"blockwise not routed: {routed}"

@@ -3,8 +3,8 @@
 Precise (use_fast_accum=False) tensorwise and per-row / per-column calls go to torch._scaled_mm, whose
 accumulation matches the kernel's promotion every 128 and which runs it about 3x faster on the H100. Whether the
 installed torch takes the dtypes and scale kinds on a device is tried once on a small case and cached; a call it
-then refuses falls back to the kernel. Blockwise calls with 1 x 128 blocks of A and 128 x 128 blocks of B go to
-torch.nn.functional.scaled_mm's blockwise recipe where the installed torch has it (it promotes every 128 like
+then refuses falls back to the kernel. Blockwise calls with 1 x 128 blocks of A and 128 x 128 or 1 x 128 blocks of
+B go to torch.nn.functional.scaled_mm's blockwise recipes where the installed torch has it (it promotes every 128 like
 the kernel, fast or not); a call it refuses (its dtypes, shapes or this GPU) runs the kernel.
 kp_core.settings("scaled_mm_route", cublas=False) turns the route off (the conformance specs check the kernel
 that way, and the route on its own).
@@ -48,10 +48,11 @@ def _blockwise_kinds(layouts) -> tuple | None:
     """torch.nn.functional.scaled_mm's ScalingType names of a blockwise pair kp routes, else None."""
     if not hasattr(torch.nn.functional, "ScalingType"):
         return None
-    # 1 x 128 blocks of both operands (the weight gradient's cast along M) stay on the kernel: the scale layout
-    # cuBLASLt wants for B then was not pinned down on the H100 yet (docs/ops/scaled_mm.md)
-    if tuple(layouts[0]) == (1, True) and tuple(layouts[1]) == (128, True):
+    pair = (tuple(layouts[0]), tuple(layouts[1]))
+    if pair == ((1, True), (128, True)):
         return ("BlockWise1x128", "BlockWise128x128")
+    if pair == ((1, True), (1, True)):  # the weight gradient's operands, both cast along M
+        return ("BlockWise1x128", "BlockWise1x128")
     return None
 
 
@@ -68,17 +69,21 @@ def routes(a, b, scale_a, scale_b, layouts, use_fast_accum) -> bool:
 
 
 def _outer_major(scale: torch.Tensor) -> torch.Tensor:
-    """A (rows, K-blocks) scale stored rows fastest, as cuBLASLt's 1 x 128 recipe reads it."""
-    return scale.t().contiguous().t()
+    """A (rows, K-blocks) scale stored rows fastest (strides (1, rows)), as cuBLASLt's 1 x 128 recipe reads it."""
+    rows, kb = scale.shape
+    return torch.empty_strided((rows, kb), (1, rows), device=scale.device).copy_(scale)
 
 
 def _blockwise_call(a, b, scale_a, scale_b, kinds, out_dtype):
     sa = _outer_major(scale_a)  # (M, K/128)
-    # B's 128 x 128 scale: (K/128, N/128), K-blocks fastest and padded to a multiple of 4 (never read)
-    kb, nb = scale_b.shape
-    sb = torch.ones((nb, -(-kb // 4) * 4), device=scale_b.device)
-    sb[:, :kb] = scale_b.t()
-    sb = sb.t()
+    if kinds[1] == "BlockWise1x128":
+        sb = _outer_major(scale_b.t())  # (N, K/128), N fastest: kp's (K/128, N) row-major storage as it is
+    else:
+        # B's 128 x 128 scale: (K/128, N/128), K-blocks fastest and padded to a multiple of 4 (never read)
+        kb, nb = scale_b.shape
+        sb = torch.ones((nb, -(-kb // 4) * 4), device=scale_b.device)
+        sb[:, :kb] = scale_b.t()
+        sb = sb.t()
     kind = torch.nn.functional.ScalingType
     return torch.nn.functional.scaled_mm(
         a, b, sa, getattr(kind, kinds[0]), sb, getattr(kind, kinds[1]), output_dtype=out_dtype
