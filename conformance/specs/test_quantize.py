@@ -23,7 +23,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 TIER = kc.current()
 DEVICE = kc.device()
-OPS = ("kp::quantize", "kp::dequantize", "kp::transpose_fp8")
+OPS = ("kp::quantize", "kp::dequantize", "kp::transpose")
 # (granularity, block) pairs; square blocks need 2-D inputs
 RECIPES = (
     ("tensorwise", None),
@@ -364,6 +364,7 @@ def test_opcheck(dtype):
             # which float8 tensors do not support; test_no_mutation and the guard check that instead
             torch.library.opcheck(quantize_mod.DEQUANTIZE.op, (data, scale, *block, dtype), test_utils=DEQ_CHECKS)
         torch.library.opcheck(quantize_mod.TRANSPOSE.op, (data,), test_utils=DEQ_CHECKS)
+        torch.library.opcheck(quantize_mod.TRANSPOSE.op, (x,))
     kc.assert_kernel_ran(rec, *OPS)
 
 
@@ -400,15 +401,19 @@ def test_reference_is_independent():
 
 
 @pytest.mark.conformance(kernel="quantize", prop="values")
-@pytest.mark.parametrize("fp8", FP8, ids=str)
-def test_transpose_fp8(fp8):
-    """kp::transpose_fp8 (the float8 training backward's transposing copy): bit for bit data.t().contiguous(),
-    every byte value included, on shapes that end in partial tiles both ways and on row-strided data."""
+@pytest.mark.parametrize("dtype", FP8 + DTYPES, ids=kc.dtype_id)
+def test_transpose(dtype):
+    """kp::transpose (the float8 training backward's transposing copies of float8 data and of 16- and 32-bit
+    inputs, gradients and weights): bit for bit data.t().contiguous(), on random bytes (NaN and inf bit patterns
+    among them), on shapes that end in partial tiles both ways and on row-strided data."""
+    bits_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
     for m, n in ((1, 1), (17, 33), (130, 70), (64, 256)):
-        bits = torch.arange(m * n, device=DEVICE).remainder(256).to(torch.uint8).reshape(m, n)
-        for data in (bits.view(fp8), torch.cat([bits, bits], 1)[:, :n].view(fp8)):
+        # random bytes in every byte of each element: a transpose that mixed up bytes of neighbours would show
+        raw = torch.randint(0, 256, (m, n * dtype.itemsize), generator=torch.Generator().manual_seed(m * n))
+        bits = raw.to(torch.uint8).to(DEVICE).view(bits_dtype)
+        for data in (bits.view(dtype), torch.cat([bits, bits], 1)[:, :n].view(dtype)):
             with kp_core.record_launches() as rec:
                 out = quantize_mod.TRANSPOSE(data)
-            kc.assert_kernel_ran(rec, "kp::transpose_fp8")
-            assert out.dtype == fp8 and out.is_contiguous()
-            assert torch.equal(out.view(torch.uint8), data.view(torch.uint8).t()), (m, n)
+            kc.assert_kernel_ran(rec, "kp::transpose")
+            assert out.dtype == dtype and out.is_contiguous()
+            assert torch.equal(out.view(bits_dtype), data.view(bits_dtype).t()), (m, n)

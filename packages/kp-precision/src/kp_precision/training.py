@@ -159,7 +159,7 @@ class _Float8Matmul(torch.autograd.Function):
         if config.recipe == "rowwise":
             x2, weight, _ = saved
             qg = _cast(gy, gfp8, config)  # along N, for gx
-            qwt = _cast(weight.t().contiguous(), E4M3, config)  # w.T (K, N) along N
+            qwt = _cast(TRANSPOSE(weight), E4M3, config)  # w.T (K, N) along N
             gx = scaled_mm(qg.data, qwt.data.t(), qg.scale, qwt.scale.t(), out_dtype=dtype)
             gw = _weight_grad_along_m(gy, x2, gfp8, config, dtype)
         elif config.recipe == "tensorwise":
@@ -184,8 +184,8 @@ def _input_grad(qg, w_data, w_scale, dtype):
 
 def _weight_grad_along_m(gy, x2, gfp8, config, dtype):
     """gy.T @ x with gy.T (N, M) and x.T (K, M) cast again along M (rowwise: per row; blockwise: 1 x 128)."""
-    qgt = _cast(gy.t().contiguous(), gfp8, config)
-    qxt = _cast(x2.t().contiguous(), E4M3, config)
+    qgt = _cast(TRANSPOSE(gy), gfp8, config)
+    qxt = _cast(TRANSPOSE(x2), E4M3, config)
     return scaled_mm(qgt.data, qxt.data.t(), qgt.scale, qxt.scale.t(), out_dtype=dtype)
 
 

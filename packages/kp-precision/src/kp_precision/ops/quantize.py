@@ -25,7 +25,7 @@ if kp_core.has_triton():
 
 OP = "kp::quantize"
 OP_DEQ = "kp::dequantize"
-OP_T = "kp::transpose_fp8"
+OP_T = "kp::transpose"
 PACKAGE = "kp-precision"
 SPEC = "quantize"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -36,7 +36,7 @@ EPS = 1e-12
 # The interpreter runs programs one after another, so it gets 16x bigger tiles.
 TILES = {"_amax": (16384, 16), "_quantize_tensorwise": (4096, 4), "_quantize": (4096, 8), "_dequantize": (4096, 8)}
 INTERPRET_SCALE = 16
-# The transpose's square tile on a GPU (bytes per side) and under the interpreter (small: tests cross tiles).
+# The transpose's square tile on a GPU (elements per side) and under the interpreter (small: tests cross tiles).
 TRANSPOSE_BLOCK = 64
 INTERPRET_TRANSPOSE_BLOCK = 16
 
@@ -259,10 +259,14 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block_m: int, block_k: i
     return out
 
 
+# Each dtype's bits as an integer dtype of its size: the transpose moves bits, never decodes a value
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
 def transpose(data: torch.Tensor) -> torch.Tensor:
-    """float8 (M, N) data with unit column stride as (N, M) row-major: data.t().contiguous() in one tiled pass.
-    The float8 training backward needs its operands' float8 data transposed, and a plain transposing copy of
-    one-byte elements writes one byte per row per lane."""
+    """(M, N) data with unit column stride as (N, M) row-major: data.t().contiguous() in one tiled pass. The
+    float8 training backward needs float8 data and 16- or 32-bit inputs, gradients and weights transposed, and
+    PyTorch's transposing copy runs far below copy bandwidth (one byte or element per row per lane)."""
     m, n = data.shape
     out = torch.empty((n, m), dtype=data.dtype, device=data.device)
     if out.numel() == 0:
@@ -275,7 +279,8 @@ def transpose(data: torch.Tensor) -> torch.Tensor:
     block = INTERPRET_TRANSPOSE_BLOCK if backend == kp_core.INTERPRET else TRANSPOSE_BLOCK
     grid = -(-m // block) * -(-n // block)
     kp_core.check_index_fits(OP_T, "the launch grid (programs)", grid)
-    x, y = data.view(torch.uint8), out.view(torch.uint8)  # bytes: no float8 decoding anywhere
+    bits = _BITS[data.element_size()]
+    x, y = data.view(bits), out.view(bits)
     args = (x, x.stride(0), y, y.stride(0), m, n)
     kp_core.launch(OP_T, backend, kernels._transpose, (grid,), args, dict(BLOCK=block), 4)
     return out
@@ -300,5 +305,5 @@ TRANSPOSE = kp_core.op(
     lambda data: data.new_empty((data.shape[1], data.shape[0])),
     package=PACKAGE,
     spec=SPEC,
-    dtypes=FP8_DTYPES,
+    dtypes=FP8_DTYPES + DTYPES,
 )

@@ -256,8 +256,9 @@ def _dequantize(
 
 @triton.jit
 def _transpose(X, stride_x, Y, stride_y, M, N, BLOCK: tl.constexpr):
-    """Y (N, M) = X (M, N).T for one-byte elements (float8 data as uint8): a BLOCK x BLOCK tile per program, read
-    along X's rows and written along Y's rows (Triton moves the tile through shared memory between the two)."""
+    """Y (N, M) = X (M, N).T for elements as integers of their size (float8 data as uint8, bf16 as int16, ...): a
+    BLOCK x BLOCK tile per program, read along X's rows and written along Y's rows (Triton moves the tile
+    through shared memory between the two)."""
     tiles_n = tl.cdiv(N, BLOCK)
     rm = (tl.program_id(0) // tiles_n) * BLOCK + tl.arange(0, BLOCK)
     rn = (tl.program_id(0) % tiles_n) * BLOCK + tl.arange(0, BLOCK)
