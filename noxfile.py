@@ -106,6 +106,7 @@ def conformance(session: nox.Session) -> None:
         "--rootdir",
         str(ROOT),
         str(ROOT / "conformance" / "specs"),
+        "--durations=25",  # the slowest tests in every log: CI's time budget is watched from them
         *workers,
         env=env,
     )

@@ -1,0 +1,49 @@
+"""What graphed callables did: captures, replays per bucket, eager fallbacks, pool bytes, capture time."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+
+@dataclasses.dataclass
+class Stats:
+    name: str
+    captures: int = 0
+    capture_seconds: float = 0.0
+    replays: dict = dataclasses.field(default_factory=dict)  # bucket -> count
+    eager: dict = dataclasses.field(default_factory=dict)  # reason -> count
+    invalidations: int = 0
+    pool_bytes: int = 0
+
+    @property
+    def calls(self) -> int:
+        return sum(self.replays.values()) + sum(self.eager.values())
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(self.replays.values()) / self.calls if self.calls else 0.0
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def register(graphed) -> None:
+    _LIVE.add(graphed)
+
+
+def report() -> str:
+    """A markdown table of every live graphed callable's stats."""
+    lines = [
+        "| graphed | calls | replays (per bucket) | hit rate | eager (why) | captures | capture s | pool MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for g in sorted(_LIVE, key=lambda g: g.stats.name):
+        s = g.stats
+        per = ", ".join(f"{b}: {n}" for b, n in sorted(s.replays.items())) or "-"
+        why = ", ".join(f"{r}: {n}" for r, n in sorted(s.eager.items())) or "-"
+        lines.append(
+            f"| {s.name} | {s.calls} | {per} | {100 * s.hit_rate:.0f} % | {why} | {s.captures} | "
+            f"{s.capture_seconds:.3f} | {s.pool_bytes / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
