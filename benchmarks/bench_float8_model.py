@@ -108,7 +108,7 @@ def synthetic(cfg: dict, batches: int, batch: int, seq: int, device, active: int
     """`batches` fresh (tokens, next tokens) batches, the same ones on every call, over the first `active` token
     ids: each token is a fixed permutation of the previous one with probability 0.9, else random. Fresh random
     tokens every step keep the model from memorising the data, and the small active vocabulary lets every variant
-    learn the permutation within a few hundred steps, so the loss settles near the noise's entropy (FLOOR) and a
+    learn the permutation within a few hundred steps, so the loss settles near the data's entropy (floor()) and a
     relative comparison between runs measures the arithmetic, not how far along each run happens to be."""
     g = torch.Generator().manual_seed(0)
     active = min(active, cfg["vocab"])

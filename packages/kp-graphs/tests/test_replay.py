@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import kp_graphs
+from kp_graphs.buckets import pad_to
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph replay: not covered on CPU")
 
@@ -23,9 +24,7 @@ def test_replay_equals_eager_bit_for_bit_in_every_bucket(dtype):
         for n in (1, 2, 3, 4, 5, 8, 13, 16):
             x = torch.randn(n, 256, device="cuda", dtype=dtype)
             # eager on the same padded batch: rows do not mix, so the first n rows are the reference
-            pad = torch.zeros(g.buckets.choose((n,))[0], 256, device="cuda", dtype=dtype)
-            pad[:n] = x
-            assert torch.equal(g(x), model(pad)[:n]), n
+            assert torch.equal(g(x), model(pad_to(x, (0,), g.buckets.choose((n,)), 0))[:n]), n
     assert g.stats.captures == 5 and sum(g.stats.replays.values()) == 8 and not g.stats.eager
 
 
@@ -39,12 +38,18 @@ def test_outputs_are_not_overwritten_by_the_next_replay():
     assert torch.equal(a, kept)
 
 
-def test_a_replaced_or_resized_parameter_recaptures():
-    model = mlp(layers=2)
+def captured(model):
+    """model graphed at one bucket, its graph captured by a first call (under no_grad); (graphed, that input)."""
     g = kp_graphs.graphed(model, buckets=[4])
     x = torch.randn(4, 256, device="cuda")
+    g(x)
+    return g, x
+
+
+def test_a_replaced_or_resized_parameter_recaptures():
+    model = mlp(layers=2)
     with torch.no_grad():
-        g(x)
+        g, x = captured(model)
         model[0].weight = nn.Parameter(torch.randn(256, 256, device="cuda"))
         assert torch.equal(g(x), model(x))
         model[1].bias.data = torch.randn(256, device="cuda")  # new storage behind the same parameter
@@ -54,10 +59,8 @@ def test_a_replaced_or_resized_parameter_recaptures():
 
 def test_in_place_updates_are_seen_without_recapture():
     model = mlp(layers=2)
-    g = kp_graphs.graphed(model, buckets=[4])
-    x = torch.randn(4, 256, device="cuda")
     with torch.no_grad():
-        g(x)
+        g, x = captured(model)
         model[0].weight.mul_(0.5)  # an optimiser step: same storage, the graph reads the new values
         assert torch.equal(g(x), model(x))
     assert g.stats.captures == 1 and g.stats.invalidations == 0
@@ -96,7 +99,5 @@ def test_capture_all_shares_one_pool_largest_first():
         assert g.stats.captures == 3
         for n in (1, 7, 64):
             x = torch.randn(n, 512, device="cuda")
-            pad = torch.zeros(g.buckets.choose((n,))[0], 512, device="cuda")
-            pad[:n] = x
-            assert torch.equal(g(x), model(pad)[:n])
+            assert torch.equal(g(x), model(pad_to(x, (0,), g.buckets.choose((n,)), 0))[:n])
     assert g.stats.captures == 3

@@ -5,8 +5,9 @@ first call captures a graph: static input buffers of the bucket's shape, `warmup
 (as torch.cuda.make_graphed_callables does, so lazy initialisation and autotuning happen outside the capture),
 then the capture into a memory pool every bucket of this callable shares. Later calls copy their inputs into the
 static buffers (the padding filled with `pad`), replay, and return the outputs cut back to the call's sizes.
-Calls outside every bucket, and calls whose tensors are not on a GPU, run eagerly, counted per reason (a warning
-once per reason); off-GPU the eager run still pads and cuts back, so the bucket logic is the same everywhere.
+Calls outside every bucket and calls under autograd run eagerly, counted per reason (a warning once per
+reason). Calls whose tensors are not on a GPU are counted too, without a warning, and their eager run still pads
+and cuts back, so the bucket logic is the same everywhere.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Graphed:
 
     def _eager(self, reason: str, detail: str, args, kwargs):
         """Run fn as called, counted under `reason`; a warning the first time per reason."""
-        self.stats.eager[reason] = self.stats.eager.get(reason, 0) + 1
+        self.stats.count_eager(reason)
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"graphed {self.stats.name}: running eagerly: {reason} ({detail})", stacklevel=3)
@@ -107,7 +108,7 @@ class Graphed:
         key = (bucket, spec, tuple(self._signature(x, dims) for x in leaves))
         if not all(t.is_cuda for _, t in tensors) or not torch.cuda.is_available():
             # the same padding and cutting back as a replay, run eagerly (CPU, or tensors off the GPU)
-            self.stats.eager["not on a CUDA device"] = self.stats.eager.get("not on a CUDA device", 0) + 1
+            self.stats.count_eager("not on a CUDA device")  # counted, not warned: CPU runs are expected (CI)
             padded = [pad_to(x, dims, bucket, self.pad) if isinstance(x, torch.Tensor) else x for x in leaves]
             p_args, p_kwargs = tree_unflatten(padded, spec)
             out = self.fn(*p_args, **p_kwargs)

@@ -16,6 +16,9 @@ class Stats:
     invalidations: int = 0
     pool_bytes: int = 0
 
+    def count_eager(self, reason: str) -> None:
+        self.eager[reason] = self.eager.get(reason, 0) + 1
+
     @property
     def calls(self) -> int:
         return sum(self.replays.values()) + sum(self.eager.values())

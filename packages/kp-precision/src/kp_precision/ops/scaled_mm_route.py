@@ -71,13 +71,15 @@ def routes(a, b, scale_a, scale_b, layouts, use_fast_accum) -> bool:
 def _outer_major(scale: torch.Tensor) -> torch.Tensor:
     """A (rows, K-blocks) scale stored rows fastest (strides (1, rows)), as cuBLASLt's 1 x 128 recipe reads it."""
     rows, kb = scale.shape
+    if scale.stride() == (1, rows):
+        return scale  # already so: kp's (K/128, N) scale of b, transposed, is
     return torch.empty_strided((rows, kb), (1, rows), device=scale.device).copy_(scale)
 
 
 def _blockwise_call(a, b, scale_a, scale_b, kinds, out_dtype):
     sa = _outer_major(scale_a)  # (M, K/128)
     if kinds[1] == "BlockWise1x128":
-        sb = _outer_major(scale_b.t())  # (N, K/128), N fastest: kp's (K/128, N) row-major storage as it is
+        sb = _outer_major(scale_b.t())  # (N, K/128), N fastest
     else:
         # B's 128 x 128 scale: (K/128, N/128), K-blocks fastest and padded to a multiple of 4 (never read)
         kb, nb = scale_b.shape
