@@ -5,9 +5,10 @@ first call captures a graph: static input buffers of the bucket's shape, `warmup
 (as torch.cuda.make_graphed_callables does, so lazy initialisation and autotuning happen outside the capture),
 then the capture into a memory pool every bucket of this callable shares. Later calls copy their inputs into the
 static buffers (the padding filled with `pad`), replay, and return the outputs cut back to the call's sizes.
-Calls outside every bucket and calls under autograd run eagerly, counted per reason (a warning once per
-reason). Calls whose tensors are not on a GPU are counted too, without a warning, and their eager run still pads
-and cuts back, so the bucket logic is the same everywhere.
+Calls outside every bucket run eagerly, counted per reason (a warning once per reason). Calls whose tensors
+are not on a GPU are counted too, without a warning, and their eager run still pads and cuts back, so the bucket
+logic is the same everywhere. Under autograd each bucket gets a forward and a backward graph instead
+(kp_graphs.autograd).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from kp_graphs import stats as stats_mod
+from kp_graphs.autograd import TrainGraph
 from kp_graphs.buckets import Buckets, fill_into, pad_to, trim
 
 
@@ -41,6 +43,12 @@ _CAUSES = (
     ),
     ("CUDA generator expects graph capture to be underway", "a random-number generator not registered with the graph"),
 )
+
+
+def _is_capture_error(err: BaseException) -> bool:
+    """Whether err is CUDA refusing the capture (a bug of fn's own, a shape error say, is raised as it is)."""
+    text = str(err)
+    return any(phrase in text for phrase, _ in _CAUSES) or "captur" in text.lower()
 
 
 def _explain(err: BaseException) -> str:
@@ -100,14 +108,14 @@ class Graphed:
             detail = f"sizes {actual}, the largest bucket {self.buckets.largest()}; warned once"
             return self._eager("sizes beyond the largest bucket", detail, args, kwargs)
         state = self._module_state()
-        wants_grad = any(t.requires_grad for _, t in tensors) or any(s[-1] for s in state or ())
-        if torch.is_grad_enabled() and wants_grad:
-            detail = "inputs or parameters require grad; call it under torch.no_grad()"
-            return self._eager("autograd: graphed replays inference only", detail, args, kwargs)
+        training = torch.is_grad_enabled() and (
+            any(t.requires_grad for _, t in tensors) or any(s[-1] for s in state or ())
+        )
         dims = self.buckets.dims
-        key = (bucket, spec, tuple(self._signature(x, dims) for x in leaves))
+        key = (bucket, spec, training, tuple(self._signature(x, dims) for x in leaves))
         if not all(t.is_cuda for _, t in tensors) or not torch.cuda.is_available():
-            # the same padding and cutting back as a replay, run eagerly (CPU, or tensors off the GPU)
+            # the same padding and cutting back as a replay, run eagerly (CPU, or tensors off the GPU); padding
+            # and slicing are differentiable, so autograd sees the same computation a graph would run
             self.stats.count_eager("not on a CUDA device")  # counted, not warned: CPU runs are expected (CI)
             padded = [pad_to(x, dims, bucket, self.pad) if isinstance(x, torch.Tensor) else x for x in leaves]
             p_args, p_kwargs = tree_unflatten(padded, spec)
@@ -117,6 +125,12 @@ class Graphed:
             self._graphs.clear()
             self.stats.invalidations += 1
             self._state = state
+        if training:
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._graphs[key] = self._timed_capture(bucket, lambda: self._train_graph(leaves, spec, bucket))
+            self.stats.replays[bucket] = self.stats.replays.get(bucket, 0) + 1
+            return graph(leaves, actual)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._graphs[key] = self._capture(leaves, spec, bucket)
@@ -139,7 +153,7 @@ class Graphed:
     def _signature(x, dims):
         if isinstance(x, torch.Tensor):
             shape = tuple(-1 if d in dims else n for d, n in enumerate(x.shape))
-            return ("tensor", x.dtype, x.device, shape)
+            return ("tensor", x.dtype, x.device, shape, x.requires_grad)
         try:
             hash(x)
         except TypeError:
@@ -148,35 +162,52 @@ class Graphed:
 
     # ---- capture ----
 
-    def _capture(self, leaves, spec, bucket):
-        dims = self.buckets.dims
-        static_in = [pad_to(x, dims, bucket, self.pad).clone() if isinstance(x, torch.Tensor) else x for x in leaves]
-        s_args, s_kwargs = tree_unflatten(static_in, spec)
-        start = time.perf_counter()
+    def _timed_capture(self, bucket, capture):
+        """capture() with the pool made on first use, the time and pool growth counted, and torch's capture
+        errors turned into CaptureError naming the cause."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        before = torch.cuda.memory_allocated()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(self.warmup):
-                self.fn(*s_args, **s_kwargs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        start, before = time.perf_counter(), torch.cuda.memory_allocated()
         try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
-                static_out = self.fn(*s_args, **s_kwargs)
+            made = capture()
+        except CaptureError:
+            raise
         except Exception as err:
-            cause = _explain(err)
+            if not _is_capture_error(err):
+                raise
             raise CaptureError(
-                f"graphed {self.stats.name}: cannot capture bucket {bucket}: {cause} ({type(err).__name__}: "
+                f"graphed {self.stats.name}: cannot capture bucket {bucket}: {_explain(err)} ({type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''}); run it eagerly or move that operation out"
             ) from err
         torch.cuda.synchronize()
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - start
         self.stats.pool_bytes = max(self.stats.pool_bytes, torch.cuda.memory_allocated() - before)
-        return graph, static_in, static_out
+        return made
+
+    def _capture(self, leaves, spec, bucket):
+        def capture():
+            dims = self.buckets.dims
+            static_in = [
+                pad_to(x, dims, bucket, self.pad).clone() if isinstance(x, torch.Tensor) else x for x in leaves
+            ]
+            s_args, s_kwargs = tree_unflatten(static_in, spec)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(self.warmup):
+                    self.fn(*s_args, **s_kwargs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
+                static_out = self.fn(*s_args, **s_kwargs)
+            return graph, static_in, static_out
+
+        return self._timed_capture(bucket, capture)
+
+    def _train_graph(self, leaves, spec, bucket):
+        params = [p for p in self.fn.parameters() if p.requires_grad] if isinstance(self.fn, torch.nn.Module) else []
+        return TrainGraph(self.fn, leaves, spec, bucket, self.buckets.dims, self.pad, self.pool, self.warmup, params)
 
     def capture_all(self, *example_args, **example_kwargs):
         """Capture every bucket now, largest first (so the smaller graphs reuse the largest one's pool memory),

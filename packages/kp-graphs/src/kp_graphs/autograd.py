@@ -1,0 +1,101 @@
+"""Training through graphs: a forward graph and a backward graph per bucket, as
+torch.cuda.make_graphed_callables captures them, behind an autograd.Function.
+
+The forward graph runs fn on static, bucket-shaped inputs with autograd on; the backward graph runs
+torch.autograd.grad of its differentiable outputs, with static gradient buffers, with respect to the inputs that
+require grad and the module's parameters that do. A call copies its inputs in (padded), replays the forward
+and returns the outputs cut back; its backward copies the incoming gradients in, padded with zeros, replays
+the backward graph and returns copies of the gradients, the inputs' cut back. The padded rows get zero
+gradient from above, so for a function whose rows do not mix they add nothing to the parameters' gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from kp_graphs.buckets import fill_into, pad_to, trim
+
+
+class TrainGraph:
+    def __init__(self, fn, leaves, spec, bucket, dims, pad, pool, warmup, params):
+        self.dims, self.bucket, self.pad = dims, bucket, pad
+        self.tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        static = list(leaves)
+        for i in self.tensor_idx:
+            x = leaves[i]
+            static[i] = pad_to(x.detach(), dims, bucket, pad).clone().requires_grad_(x.requires_grad)
+        self.static_in = static
+        self.grad_idx = [i for i in self.tensor_idx if static[i].requires_grad]
+        self.params = list(params)
+        wrt = [static[i] for i in self.grad_idx] + self.params
+        args, kwargs = tree_unflatten(static, spec)
+
+        def differentiable(out):
+            flat, out_spec = tree_flatten(out)
+            return flat, out_spec, [j for j, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad]
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                flat, _, diff = differentiable(fn(*args, **kwargs))
+                outs = [flat[j] for j in diff]
+                torch.autograd.grad(outs, wrt, [torch.zeros_like(o) for o in outs], allow_unused=True)
+        torch.cuda.current_stream().wait_stream(side)
+
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd, pool=pool):
+            out = fn(*args, **kwargs)
+        self.flat_out, self.out_spec, self.diff = differentiable(out)
+        if not self.diff:
+            raise ValueError("graphed: under autograd, fn must return at least one tensor that requires grad")
+        self.static_grad_out = [torch.empty_like(self.flat_out[j]) for j in self.diff]
+        with torch.cuda.graph(self.bwd, pool=pool):
+            outs = [self.flat_out[j] for j in self.diff]
+            self.static_grads = torch.autograd.grad(outs, wrt, self.static_grad_out, allow_unused=True)
+
+    def __call__(self, leaves, actual):
+        """fn's outputs for this call (cut back), differentiable with respect to the call's inputs that require
+        grad and the module's parameters."""
+        inputs = [leaves[i] for i in self.grad_idx]
+        flat = _Replay.apply(self, leaves, actual, *inputs, *self.params)
+        return tree_unflatten(list(flat), self.out_spec)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graph, leaves, actual, *wrt):
+        for i in graph.tensor_idx:
+            fill_into(graph.static_in[i].detach(), leaves[i].detach(), graph.pad)
+        graph.fwd.replay()
+        ctx.graph, ctx.actual = graph, actual
+        out = []
+        for o in graph.flat_out:
+            if isinstance(o, torch.Tensor):
+                o = trim(o.detach(), graph.dims, graph.bucket, actual).clone()
+            out.append(o)
+        fixed = [o for j, o in enumerate(out) if isinstance(o, torch.Tensor) and j not in graph.diff]
+        ctx.mark_non_differentiable(*fixed)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        graph, actual = ctx.graph, ctx.actual
+        for buf, j in zip(graph.static_grad_out, graph.diff):
+            g = grads[j]
+            if g is None:
+                buf.zero_()
+            else:
+                fill_into(buf, g, 0)  # zero gradient for the padding
+        graph.bwd.replay()
+        n_in = len(graph.grad_idx)
+        out = []
+        for k, g in enumerate(graph.static_grads):
+            if g is None:
+                out.append(None)
+            elif k < n_in:
+                out.append(trim(g, graph.dims, graph.bucket, actual).clone())
+            else:
+                out.append(g.clone())
+        return (None, None, None, *out)
