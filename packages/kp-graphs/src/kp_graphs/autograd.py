@@ -7,9 +7,16 @@ require grad and the module's parameters that do. A call copies its inputs in (p
 and returns the outputs cut back; its backward copies the incoming gradients in, padded with zeros, replays
 the backward graph and returns copies of the gradients, the inputs' cut back. The padded rows get zero
 gradient from above, so for a function whose rows do not mix they add nothing to the parameters' gradients.
+
+The two graphs of a bucket hold one step: the forward's saved activations live in the graph's memory until the
+backward replays. So each bucket's pair gets a pool of its own (another bucket's replay cannot overwrite them),
+and a second forward of the same bucket while the first one's outputs still await their backward is not
+replayed (busy() says so, and the caller runs that call eagerly).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -18,8 +25,10 @@ from kp_graphs.buckets import fill_into, pad_to, trim
 
 
 class TrainGraph:
-    def __init__(self, fn, leaves, spec, bucket, dims, pad, pool, warmup, params):
+    def __init__(self, fn, leaves, spec, bucket, dims, pad, warmup, params):
         self.dims, self.bucket, self.pad = dims, bucket, pad
+        self.pending = None  # a weak reference to an output of the forward whose backward has not run
+        pool = torch.cuda.graph_pool_handle()
         self.tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         static = list(leaves)
         for i in self.tensor_idx:
@@ -55,11 +64,16 @@ class TrainGraph:
             outs = [self.flat_out[j] for j in self.diff]
             self.static_grads = torch.autograd.grad(outs, wrt, self.static_grad_out, allow_unused=True)
 
+    def busy(self) -> bool:
+        """Whether an earlier forward's outputs are alive and their backward has not replayed yet."""
+        return self.pending is not None and self.pending() is not None
+
     def __call__(self, leaves, actual):
         """fn's outputs for this call (cut back), differentiable with respect to the call's inputs that require
         grad and the module's parameters."""
         inputs = [leaves[i] for i in self.grad_idx]
         flat = _Replay.apply(self, leaves, actual, *inputs, *self.params)
+        self.pending = weakref.ref(flat[self.diff[0]])
         return tree_unflatten(list(flat), self.out_spec)
 
 
@@ -89,6 +103,7 @@ class _Replay(torch.autograd.Function):
             else:
                 fill_into(buf, g, 0)  # zero gradient for the padding
         graph.bwd.replay()
+        graph.pending = None
         n_in = len(graph.grad_idx)
         out = []
         for k, g in enumerate(graph.static_grads):

@@ -127,6 +127,9 @@ class Graphed:
             self._state = state
         if training:
             graph = self._graphs.get(key)
+            if graph is not None and graph.busy():
+                detail = "its graphs hold one step; run the first call's backward before the next forward"
+                return self._eager("a forward of a bucket whose previous backward has not run", detail, args, kwargs)
             if graph is None:
                 graph = self._graphs[key] = self._timed_capture(bucket, lambda: self._train_graph(leaves, spec, bucket))
             self.stats.replays[bucket] = self.stats.replays.get(bucket, 0) + 1
