@@ -61,6 +61,9 @@ def providers(m: nn.Module) -> dict:
         "eager": m,
         "torch.compile reduce-overhead": torch.compile(m, mode="reduce-overhead"),
         "kp graphed": kp_graphs.graphed(m, buckets=BUCKETS, name="64 x Linear(1024)"),
+        "kp graphed, copy_outputs=False": kp_graphs.graphed(
+            m, buckets=BUCKETS, copy_outputs=False, name="64 x Linear(1024), views"
+        ),
     }
 
 

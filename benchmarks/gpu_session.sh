@@ -2,7 +2,8 @@
 # What a GPU run does on a machine with no package registry: install the carried wheels (nox, Liger-Kernel, ...;
 # fetched beforehand with `pip download` into .whl/), then run the steps on the machine's own torch/triton, with
 # the packages' sources on PYTHONPATH. Usage: bash benchmarks/gpu_session.sh STEP...; logs go to $OUT.
-# Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
+# Steps: info, tests-PKG, conformance-TIER, spec-NAME (one spec file, KP_TIER or small), cpu, demo,
+# tune-NAME, bench-NAME. Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -10,7 +11,7 @@ if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
-SRC=packages/kp-core/src:packages/kp-norms/src:packages/kp-attention/src:packages/kp-precision/src:conformance/src:benchmarks
+SRC=$(ls -d packages/*/src | tr '\n' :)conformance/src:benchmarks
 LIMIT=${STEP_TIMEOUT:-540}
 touch /tmp/session_start
 status=0
@@ -22,6 +23,8 @@ for step in "$@"; do
     tests-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n 8 \
                "packages/kp-${step#tests-}/tests" ;;
     conformance-*) KP_TIER=${step#conformance-} timeout "$LIMIT" python3 -m nox --no-venv -s conformance -- -n 8 ;;
+    spec-*) PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=${KP_TIER:-small} timeout "$LIMIT" python3 -m pytest -q \
+              -p no:cacheprovider --rootdir . -n 8 "conformance/specs/test_${step#spec-}.py" ;;
     cpu) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/cpu_overhead.py ;;
     demo) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/demo.py ;;
     tune-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#tune-}.py" --tune ;;

@@ -25,7 +25,7 @@ kc.declare(
         ops=(),
         reference="the function itself, run eagerly on the same inputs padded to the same bucket",
         dtypes=DTYPES,
-        properties=("values", "padded_eager", "stale", "capture_errors", "bad_input"),
+        properties=("values", "padded_eager", "stale", "capture_errors", "decode", "bad_input"),
         requires="CUDA graphs for replay; CPU covers the bucket logic through the padded eager path",
     )
 )
@@ -113,6 +113,60 @@ def test_capture_unsafe_functions_get_a_clear_error(what):
         g(torch.randn(4, 8, device=DEVICE))
     torch.cuda.synchronize()
     assert (torch.ones(3, device=DEVICE) * 2).sum().item() == 6  # the device still works
+    torch.randn(4, device=DEVICE)  # and its random numbers (a failed capture must not leave them in capture)
+    h = kp_graphs.graphed(lambda x: x * 2, buckets=[4])  # and the next capture
+    with torch.no_grad():
+        assert torch.equal(h(torch.ones(4, 8, device=DEVICE)), torch.full((4, 8), 2.0, device=DEVICE))
+    assert h.stats.captures == 1
+
+
+class _Decode:
+    """One attention decoding step over a static KV cache with kp-attention's kvcache kernel: q, k, v (n, 1, H, D)
+    of sequences 0..n-1; the new keys and values are written into the cache in place at `lengths`."""
+
+    def __init__(self, paged, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.batch, self.len, self.page = 8, 256, 16
+        shape = (self.batch * self.len // self.page, self.page, 2, 64) if paged else (self.batch, self.len, 2, 64)
+        self.k = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
+        self.v = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
+        order = torch.randperm(self.batch * self.len // self.page, generator=g).int()
+        self.table = order.view(self.batch, -1).to(DEVICE) if paged else None
+        self.lengths = torch.randint(8, 64, (self.batch,), generator=g, dtype=torch.int32).to(DEVICE)
+        self.paged = paged
+
+    def __call__(self, q, k, v):
+        import kp_attention
+
+        n = q.shape[0]
+        kc, vc = (self.k, self.v) if self.paged else (self.k[:n], self.v[:n])
+        table = self.table[:n] if self.paged else None
+        lengths = self.lengths[:n]
+        return kp_attention.flash_attention_with_kvcache(q, kc, vc, lengths, k=k, v=v, block_table=table)
+
+
+@pytest.mark.conformance(kernel="graphs", prop="decode")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_loop_with_a_kv_cache(paged):
+    """A decode loop through graphed: batches that change every step, cache lengths that grow; each replay equals
+    the eager step on the same padded batch bit for bit, and so does the cache it writes."""
+    replay_or_skip()
+    step, twin = _Decode(paged, 0), _Decode(paged, 0)
+    g = kp_graphs.graphed(step, buckets=[2, 4, 8])
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n in (3, 8, 1, 2, 5, 8, 4, 7):
+            q, k, v = (torch.randn(n, 1, h, 64, generator=gen).to(DEVICE, torch.bfloat16) for h in (4, 2, 2))
+            bucket = g.buckets.choose((n,))
+            before = sum(g.stats.replays.values())
+            out = g(q, k, v)
+            assert sum(g.stats.replays.values()) == before + 1 and not g.stats.eager, "the graph did not run"
+            want = twin(*(pad_to(t, (0,), bucket, 0) for t in (q, k, v)))[:n]
+            assert torch.equal(out, want), n
+            assert torch.equal(step.k, twin.k) and torch.equal(step.v, twin.v), n
+            for d in (step, twin):
+                d.lengths[:n] += 1
+    assert g.stats.captures == 3
 
 
 @pytest.mark.conformance(kernel="graphs", prop="bad_input")

@@ -39,11 +39,11 @@ def test_bad_bucket_specs(spec, error, words):
 def test_inputs_must_agree_on_bucketed_sizes():
     b = Buckets({0: [4], 1: [16]})
     x, y = torch.zeros(3, 5), torch.zeros(3, 7)
-    assert b.actual([("x", x), ("x2", x)]) == (3, 5)
-    with pytest.raises(ValueError, match="disagree on the size of bucketed dimension 1: x has 5, y has 7"):
-        b.actual([("x", x), ("y", y)])
-    with pytest.raises(ValueError, match="input v has 1 dimension"):
-        b.actual([("v", torch.zeros(3))])
+    assert b.actual([x, "not a tensor", x]) == (3, 5)
+    with pytest.raises(ValueError, match="disagree on the size of bucketed dimension 1: #0 has 5, #2 has 7"):
+        b.actual([x, 1.0, y])
+    with pytest.raises(ValueError, match="input #1 has 1 dimension"):
+        b.actual([x, torch.zeros(3)])
 
 
 def test_pad_fill_and_trim_round_trip():
@@ -123,3 +123,21 @@ def test_autograd_through_the_padded_eager_path():
     ref(pad_to(x_ref, (0,), (4,), 0))[:3].square().sum().backward()
     assert torch.equal(x.grad, x_ref.grad)
     assert torch.equal(lin.weight.grad, ref.weight.grad) and torch.equal(lin.bias.grad, ref.bias.grad)
+
+
+def test_pad_per_positional_argument():
+    """Labels padded with an ignore index, inputs with 0: the function sees both, padded to the bucket."""
+    seen = {}
+
+    def fn(x, labels):
+        seen["x"], seen["labels"] = x, labels
+        return x
+
+    g = kp_graphs.graphed(fn, buckets=[4], pad=(0, -100))
+    with torch.no_grad():
+        g(torch.ones(3, 2), torch.zeros(3, dtype=torch.long))
+    assert seen["labels"].tolist() == [0, 0, 0, -100] and seen["x"][3].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="one per positional argument"):
+        g(torch.ones(3, 2))
+    with pytest.raises(TypeError, match="pad must be a number or a tuple"):
+        kp_graphs.graphed(fn, buckets=[4], pad=(0, "x"))

@@ -54,7 +54,11 @@ def test_a_replaced_or_resized_parameter_recaptures():
         assert torch.equal(g(x), model(x))
         model[1].bias.data = torch.randn(256, device="cuda")  # new storage behind the same parameter
         assert torch.equal(g(x), model(x))
-    assert g.stats.invalidations == 2 and g.stats.captures == 3
+        model[1] = nn.Linear(256, 256).cuda()  # a submodule swapped
+        assert torch.equal(g(x), model(x))
+        nn.Linear(8, 8)  # a module made elsewhere: the check looks again and finds this one unchanged
+        assert torch.equal(g(x), model(x))
+    assert g.stats.invalidations == 3 and g.stats.captures == 4
 
 
 def test_in_place_updates_are_seen_without_recapture():
@@ -76,19 +80,60 @@ def test_a_new_dtype_is_a_new_graph():
     assert g.stats.captures == 2
 
 
+def _print_and_double(x):
+    print(x)  # copies x to the host
+    return x * 2
+
+
+_GEN = []
+
+
+def _noise(x):
+    """Random numbers from a generator of its own, which no graph registered."""
+    if not _GEN:
+        _GEN.append(torch.Generator(device="cuda").manual_seed(0))
+    return x + torch.randn(x.shape, device=x.device, generator=_GEN[0])
+
+
+def _other_stream(x):
+    side = torch.cuda.Stream()  # not forked from the capture stream: its work is outside the graph
+    with torch.cuda.stream(side):
+        return x * 2
+
+
 @pytest.mark.parametrize(
     "fn,words",
     [
-        (lambda x: x * x.sum().item(), "host synchronisation"),
-        (lambda x: x[torch.nonzero(x > 0)[:, 0]].sum(0, keepdim=True).expand_as(x), "synchronisation"),
+        (lambda x: x * x.sum().item(), r"host synchronisation.*test_replay.py:\d+: .*item\(\)"),
+        (lambda x: x[torch.nonzero(x > 0)[:, 0]].sum(0, keepdim=True).expand_as(x), r"synchronisation.*nonzero"),
+        (_print_and_double, r"synchronisation.*print\(x\)"),
+        (_noise, "generator"),
+        (_other_stream, "stream"),
     ],
+    ids=["item", "nonzero", "print", "generator", "other stream"],
 )
 def test_capture_unsafe_functions_get_a_clear_error(fn, words):
     g = kp_graphs.graphed(fn, buckets=[4])
     with torch.no_grad(), pytest.raises(kp_graphs.CaptureError, match=words):
         g(torch.randn(4, 8, device="cuda"))
-    torch.cuda.synchronize()  # the device is usable afterwards
+    # the process is usable afterwards: the device, its random numbers, its allocator and the next capture
+    torch.cuda.synchronize()
     assert torch.equal(torch.ones(2, device="cuda") + 1, torch.full((2,), 2.0, device="cuda"))
+    torch.randn(8, device="cuda").sum().item()
+    model = mlp(layers=2)
+    h = kp_graphs.graphed(model, buckets=[4])
+    with torch.no_grad():
+        x = torch.randn(4, 256, device="cuda")
+        assert torch.equal(h(x), model(x)) and torch.equal(h(x + 1), model(x + 1))
+    assert h.stats.captures == 1 and sum(h.stats.replays.values()) == 2
+
+
+def test_a_cpu_tensor_among_cuda_inputs_runs_eagerly():
+    g = kp_graphs.graphed(lambda x, w: x * w.to(x.device), buckets=[4])
+    with torch.no_grad(), pytest.warns(UserWarning, match="CPU tensor among CUDA inputs"):
+        out = g(torch.ones(3, 2, device="cuda"), torch.full((3, 2), 2.0))
+    assert torch.equal(out, torch.full((3, 2), 2.0, device="cuda"))
+    assert g.stats.eager == {"a CPU tensor among CUDA inputs": 1} and not g.stats.captures
 
 
 def test_capture_all_shares_one_pool_largest_first():
@@ -168,3 +213,61 @@ def test_a_second_forward_before_the_backward_runs_eagerly():
     del y1, y2
     g(x1).sum().backward()  # no output pending: replayed again
     assert sum(g.stats.replays.values()) == 2
+
+
+def _whole_step(model, opt, scaler=None):
+    """One training step as a user writes it: zero the gradients, forward, loss, backward, optimizer step."""
+
+    def step(x, labels):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.float16, enabled=scaler is not None, cache_enabled=False):
+            loss = nn.functional.cross_entropy(model(x).float(), labels, ignore_index=-100)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32 Adam", "fp16 autocast + GradScaler, fused Adam"])
+def test_a_whole_training_step_equals_eager_bit_for_bit(amp):
+    """Forward, backward and a capturable optimizer's step in one graph per bucket: the losses, weights and
+    optimizer state equal an eager twin's that runs the same steps (the warmup's real step included) on the same
+    padded batches, whose padded labels the loss ignores."""
+    model = mlp(layers=3, width=64)
+    twin = train_copy(model)
+    kw = dict(lr=1e-2, capturable=True, fused=amp or None)
+    opt, opt_twin = torch.optim.Adam(model.parameters(), **kw), torch.optim.Adam(twin.parameters(), **kw)
+    scalers = (torch.amp.GradScaler("cuda"), torch.amp.GradScaler("cuda")) if amp else (None, None)
+    g = kp_graphs.graphed(
+        _whole_step(model, opt, scalers[0]), buckets=[4, 8], pad=(0, -100), warmup=1, training_step=True
+    )
+    eager = _whole_step(twin, opt_twin, scalers[1])
+    for i, n in enumerate((3, 8, 3, 5, 8)):
+        x, labels = torch.randn(n, 64, device="cuda"), torch.randint(0, 64, (n,), device="cuda")
+        bucket = (g.buckets.choose((n,))[0],)
+        xp, lp = pad_to(x, (0,), bucket, 0), pad_to(labels, (0,), bucket, -100)
+        if i < 2:  # the first call of each bucket captures it after one warmup step, a real one
+            eager(xp, lp)
+        want = eager(xp, lp)
+        assert torch.equal(g(x, labels), want), i
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, opt_twin.state[q][k]), k
+    assert g.stats.captures == 2 and sum(g.stats.replays.values()) == 5
+    if amp:
+        assert scalers[0].get_scale() == scalers[1].get_scale()  # .item(): after the loop, outside any capture
+
+
+def test_a_non_capturable_optimizer_is_named():
+    model = mlp(layers=1, width=16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # capturable=False
+    g = kp_graphs.graphed(_whole_step(model, opt), buckets=[4], pad=(0, -100), warmup=1, training_step=True)
+    with pytest.raises(kp_graphs.CaptureError, match="capturable=True"):
+        g(torch.randn(4, 16, device="cuda"), torch.randint(0, 16, (4,), device="cuda"))

@@ -21,48 +21,52 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from kp_graphs.buckets import fill_into, pad_to, trim
+from kp_graphs.buckets import fill_into, pad_to, trim, unflatten
+from kp_graphs.capture import capture, warm_up
 
 
 class TrainGraph:
-    def __init__(self, fn, leaves, spec, bucket, dims, pad, warmup, params):
-        self.dims, self.bucket, self.pad = dims, bucket, pad
+    def __init__(self, fn, leaves, spec, bucket, dims, pads, warmup, params, name):
+        self.dims, self.bucket, self.pads = dims, bucket, pads
         self.pending = None  # a weak reference to an output of the forward whose backward has not run
         pool = torch.cuda.graph_pool_handle()
         self.tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         static = list(leaves)
         for i in self.tensor_idx:
             x = leaves[i]
-            static[i] = pad_to(x.detach(), dims, bucket, pad).clone().requires_grad_(x.requires_grad)
+            static[i] = pad_to(x.detach(), dims, bucket, pads[i]).clone().requires_grad_(x.requires_grad)
         self.static_in = static
         self.grad_idx = [i for i in self.tensor_idx if static[i].requires_grad]
         self.params = list(params)
         wrt = [static[i] for i in self.grad_idx] + self.params
-        args, kwargs = tree_unflatten(static, spec)
+        args, kwargs = unflatten(static, spec)
 
         def differentiable(out):
             flat, out_spec = tree_flatten(out)
             return flat, out_spec, [j for j, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad]
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                flat, _, diff = differentiable(fn(*args, **kwargs))
-                outs = [flat[j] for j in diff]
-                torch.autograd.grad(outs, wrt, [torch.zeros_like(o) for o in outs], allow_unused=True)
-        torch.cuda.current_stream().wait_stream(side)
+        def run():
+            flat, _, diff = differentiable(fn(*args, **kwargs))
+            outs = [flat[j] for j in diff]
+            torch.autograd.grad(outs, wrt, [torch.zeros_like(o) for o in outs], allow_unused=True)
+
+        warm_up(run, warmup)
 
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.fwd, pool=pool):
-            out = fn(*args, **kwargs)
+        where = f"bucket {bucket}'s forward"
+        out = capture(self.fwd, pool, lambda: fn(*args, **kwargs), name, where, (fn, args, kwargs))
         self.flat_out, self.out_spec, self.diff = differentiable(out)
         if not self.diff:
             raise ValueError("graphed: under autograd, fn must return at least one tensor that requires grad")
         self.static_grad_out = [torch.empty_like(self.flat_out[j]) for j in self.diff]
-        with torch.cuda.graph(self.bwd, pool=pool):
-            outs = [self.flat_out[j] for j in self.diff]
-            self.static_grads = torch.autograd.grad(outs, wrt, self.static_grad_out, allow_unused=True)
+        outs = [self.flat_out[j] for j in self.diff]
+        self.static_grads = capture(
+            self.bwd,
+            pool,
+            lambda: torch.autograd.grad(outs, wrt, self.static_grad_out, allow_unused=True),
+            name,
+            f"bucket {bucket}'s backward",
+        )
 
     def busy(self) -> bool:
         """Whether an earlier forward's outputs are alive and their backward has not replayed yet."""
@@ -81,7 +85,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graph, leaves, actual, *wrt):
         for i in graph.tensor_idx:
-            fill_into(graph.static_in[i].detach(), leaves[i].detach(), graph.pad)
+            fill_into(graph.static_in[i].detach(), leaves[i].detach(), graph.pads[i])
         graph.fwd.replay()
         ctx.graph, ctx.actual = graph, actual
         out = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.utils._pytree import tree_unflatten
 
 
 class Buckets:
@@ -33,33 +34,43 @@ class Buckets:
                 raise ValueError(f"graphed: the sizes of dimension {dim} must be positive ints, got {items[dim]!r}")
             self.sizes[dim] = tuple(sorted(set(sizes)))
         self.dims = tuple(sorted(self.sizes))
+        self._chosen: dict = {}
 
-    def actual(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[int, ...]:
-        """The call's size along each bucketed dimension; ValueError naming the inputs that disagree."""
+    def actual(self, leaves: Sequence) -> tuple[int, ...]:
+        """The call's size along each bucketed dimension, read from the tensors among `leaves` (the flattened
+        inputs); ValueError naming the inputs that disagree or lack a dimension."""
+        tensors = [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         out = []
         for dim in self.dims:
             seen = {}
-            for name, t in tensors:
+            for i, t in tensors:
                 if t.dim() <= dim:
                     raise ValueError(
-                        f"graphed: input {name} has {t.dim()} dimension(s), but the buckets vary dimension {dim}"
+                        f"graphed: input #{i} has {t.dim()} dimension(s), but the buckets vary dimension {dim}"
                     )
-                seen.setdefault(t.shape[dim], name)
+                seen.setdefault(t.shape[dim], i)
             if len(seen) > 1:
-                pairs = ", ".join(f"{n} has {s}" for s, n in seen.items())
+                pairs = ", ".join(f"#{i} has {s}" for s, i in seen.items())
                 raise ValueError(f"graphed: the inputs disagree on the size of bucketed dimension {dim}: {pairs}")
             out.append(next(iter(seen)) if seen else 0)
         return tuple(out)
 
     def choose(self, actual: tuple[int, ...]) -> tuple[int, ...] | None:
-        """The smallest bucket holding `actual` along every dimension, or None when none does."""
+        """The smallest bucket holding `actual` along every dimension, or None when none does (memoised: it is
+        on every call's path)."""
+        try:
+            return self._chosen[actual]
+        except KeyError:
+            pass
         out = []
         for dim, n in zip(self.dims, actual):
             fits = [s for s in self.sizes[dim] if s >= n]
             if not fits:
-                return None
+                out = None
+                break
             out.append(fits[0])
-        return tuple(out)
+        chosen = self._chosen[actual] = None if out is None else tuple(out)
+        return chosen
 
     def largest(self) -> tuple[int, ...]:
         return tuple(self.sizes[d][-1] for d in self.dims)
@@ -102,3 +113,11 @@ def trim(t: torch.Tensor, dims: tuple[int, ...], bucket: tuple[int, ...], actual
         else:
             index.append(slice(None))
     return t[tuple(index)]
+
+
+def unflatten(leaves, spec):
+    """(args, kwargs) of a call from its flattened inputs: spec is a pytree spec, or the count of a call made of
+    tensors only (graphed's fast path, which skips pytree)."""
+    if isinstance(spec, int):
+        return tuple(leaves), {}
+    return tree_unflatten(list(leaves), spec)

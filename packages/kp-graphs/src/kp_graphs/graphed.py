@@ -21,52 +21,45 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from kp_graphs import stats as stats_mod
 from kp_graphs.autograd import TrainGraph
-from kp_graphs.buckets import Buckets, fill_into, pad_to, trim
+from kp_graphs.buckets import Buckets, fill_into, pad_to, trim, unflatten
+from kp_graphs.capture import CaptureError, capture, warm_up
+
+__all__ = ["CaptureError", "Graphed", "graphed"]
 
 
-class CaptureError(RuntimeError):
-    """The function cannot be captured into a CUDA graph; the message names the cause."""
+# Parameters, buffers or submodules registered anywhere in the process (a module attribute replaced) since
+# import: while the count stands still, a graphed module's tensors can only have changed storage (.data = ...,
+# .to()), which the per-call check of data pointers sees. A full look at the module runs only when it moves.
+_REGISTRATIONS = [0]
+_HOOKED = []
 
 
-# What torch's errors during capture mean, by a phrase in them
-_CAUSES = (
-    (
-        "operation not permitted when stream is capturing",
-        "a host synchronisation (.item(), .cpu(), print of a "
-        "CUDA tensor, torch.nonzero, a data-dependent shape) or a blocking call during capture",
-    ),
-    ("cudaErrorStreamCaptureUnsupported", "a host synchronisation or an operation CUDA cannot capture"),
-    ("cudaErrorStreamCaptureInvalidated", "the capture was invalidated by a synchronisation or another stream"),
-    (
-        "Cannot call CUDAGeneratorImpl::current_seed during CUDA graph capture",
-        "a random-number generator not registered with the graph",
-    ),
-    ("CUDA generator expects graph capture to be underway", "a random-number generator not registered with the graph"),
-)
+def _count_registration(*_):
+    _REGISTRATIONS[0] += 1
 
 
-def _is_capture_error(err: BaseException) -> bool:
-    """Whether err is CUDA refusing the capture (a bug of fn's own, a shape error say, is raised as it is)."""
-    text = str(err)
-    return any(phrase in text for phrase, _ in _CAUSES) or "captur" in text.lower()
+def _watch_registrations() -> None:
+    if not _HOOKED:
+        m = torch.nn.modules.module
+        m.register_module_parameter_registration_hook(_count_registration)
+        m.register_module_buffer_registration_hook(_count_registration)
+        m.register_module_module_registration_hook(_count_registration)
+        _HOOKED.append(True)
 
 
-def _explain(err: BaseException) -> str:
-    text = str(err)
-    for phrase, cause in _CAUSES:
-        if phrase in text:
-            return cause
-    return "an operation that failed under capture"
+# torch's C++ check of a list of data pointers (CUDA builds): the per-call stale check of a large model in ~1 us
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class Graphed:
-    def __init__(self, fn, buckets, pad, pool, warmup, copy_outputs, name):
+    def __init__(self, fn, buckets, pad, pool, warmup, copy_outputs, name, training_step=False):
         if not callable(fn):
             raise TypeError(f"graphed: fn must be callable, got {type(fn).__name__}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"graphed: warmup must be an int >= 1 (the runs before capture), got {warmup!r}")
-        if not isinstance(pad, (int, float)) or isinstance(pad, bool):
-            raise TypeError(f"graphed: pad must be a number (the padding's value), got {pad!r}")
+        if not _is_number(pad) and not (isinstance(pad, (tuple, list)) and all(_is_number(p) for p in pad)):
+            raise TypeError(f"graphed: pad must be a number or a tuple of one per positional argument, got {pad!r}")
+        self.training_step = bool(training_step)
         self.fn = fn
         self.buckets = Buckets(buckets)
         self.pad = pad
@@ -75,7 +68,12 @@ class Graphed:
         self.copy_outputs = copy_outputs
         self.stats = stats_mod.Stats(name or getattr(fn, "__name__", type(fn).__name__))
         self._graphs: dict = {}
+        self._retired: list = []
+        self._tensors, self._ptrs, self._params, self._seen = [], [], [], 0
+        if isinstance(fn, torch.nn.Module):
+            _watch_registrations()
         self._state = self._module_state()
+        self._indices = list(range(len(self._tensors)))
         self._warned: set = set()
         stats_mod.register(self)
 
@@ -86,8 +84,29 @@ class Graphed:
         the addresses it was captured with, so a replaced or resized one makes every graph stale."""
         if not isinstance(self.fn, torch.nn.Module):
             return None
+        self._seen = _REGISTRATIONS[0]
         named = [*self.fn.named_parameters(), *self.fn.named_buffers()]
-        return tuple((n, id(t), t.data_ptr(), tuple(t.shape), t.dtype, t.requires_grad) for n, t in named)
+        self._tensors = [t for _, t in named]
+        self._ptrs = [t.data_ptr() for t in self._tensors]
+        self._params = [t for _, t in self.fn.named_parameters()]
+        return tuple((n, id(t), t.data_ptr(), tuple(t.shape), t.dtype) for n, t in named)
+
+    def _stale(self) -> bool:
+        """Whether the module's tensors moved since the graphs were captured (then the state is renewed)."""
+        if self._state is None:
+            return False
+        if self._seen == _REGISTRATIONS[0]:
+            if _PTRS_EQUAL is not None:
+                if _PTRS_EQUAL(self._tensors, self._ptrs, self._indices):
+                    return False
+            elif [t.data_ptr() for t in self._tensors] == self._ptrs:
+                return False
+        state = self._module_state()
+        self._indices = list(range(len(self._tensors)))
+        if state == self._state:
+            return False
+        self._state = state
+        return True
 
     def _eager(self, reason: str, detail: str, args, kwargs):
         """Run fn as called, counted under `reason`; a warning the first time per reason."""
@@ -98,51 +117,72 @@ class Graphed:
         return self.fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        leaves, spec = tree_flatten((args, kwargs))
-        tensors = [(f"#{i}", t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-        if not tensors:
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            leaves, spec = args, len(args)  # the common call, without pytree's cost (~5 us)
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+        cuda = [isinstance(x, torch.Tensor) and x.is_cuda for x in leaves]
+        if not any(isinstance(x, torch.Tensor) for x in leaves):
             raise ValueError("graphed: a call needs at least one tensor input (the buckets are read from them)")
-        actual = self.buckets.actual(tensors)
+        actual = self.buckets.actual(leaves)
         bucket = self.buckets.choose(actual)
         if bucket is None:
-            detail = f"sizes {actual}, the largest bucket {self.buckets.largest()}; warned once"
+            detail = f"sizes {actual}, the largest bucket {self.buckets.largest()}"
             return self._eager("sizes beyond the largest bucket", detail, args, kwargs)
-        state = self._module_state()
-        training = torch.is_grad_enabled() and (
-            any(t.requires_grad for _, t in tensors) or any(s[-1] for s in state or ())
-        )
         dims = self.buckets.dims
-        key = (bucket, spec, training, tuple(self._signature(x, dims) for x in leaves))
-        if not all(t.is_cuda for _, t in tensors) or not torch.cuda.is_available():
-            # the same padding and cutting back as a replay, run eagerly (CPU, or tensors off the GPU); padding
-            # and slicing are differentiable, so autograd sees the same computation a graph would run
+        signature = [self._signature(x, dims) for x in leaves]
+        if not any(cuda) or not torch.cuda.is_available():
+            # the same padding and cutting back as a replay, run eagerly (CPU tensors, or no CUDA); padding and
+            # slicing are differentiable, so autograd sees the same computation a graph would run
             self.stats.count_eager("not on a CUDA device")  # counted, not warned: CPU runs are expected (CI)
-            padded = [pad_to(x, dims, bucket, self.pad) if isinstance(x, torch.Tensor) else x for x in leaves]
-            p_args, p_kwargs = tree_unflatten(padded, spec)
+            pads = self._pads(args, kwargs, len(leaves))
+            padded = [pad_to(x, dims, bucket, p) if isinstance(x, torch.Tensor) else x for x, p in zip(leaves, pads)]
+            p_args, p_kwargs = unflatten(padded, spec)
             out = self.fn(*p_args, **p_kwargs)
             return tree_map(lambda o: trim(o, dims, bucket, actual) if isinstance(o, torch.Tensor) else o, out)
-        if state != self._state:
+        if not all(c for c, x in zip(cuda, leaves) if isinstance(x, torch.Tensor)):
+            detail = "a graph reads its inputs from GPU memory; move the tensor to the GPU first"
+            return self._eager("a CPU tensor among CUDA inputs", detail, args, kwargs)
+        if self._stale():
+            self._retired = list(self._graphs.values())  # alive until the next capture: the pool stays in use
             self._graphs.clear()
             self.stats.invalidations += 1
-            self._state = state
+        training = (
+            not self.training_step
+            and torch.is_grad_enabled()
+            and (
+                any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+                or any(p.requires_grad for p in self._params)
+            )
+        )
+        key = (bucket, spec, training, *signature)
         if training:
             graph = self._graphs.get(key)
             if graph is not None and graph.busy():
                 detail = "its graphs hold one step; run the first call's backward before the next forward"
                 return self._eager("a forward of a bucket whose previous backward has not run", detail, args, kwargs)
             if graph is None:
-                graph = self._graphs[key] = self._timed_capture(bucket, lambda: self._train_graph(leaves, spec, bucket))
+                pads = self._pads(args, kwargs, len(leaves))
+                graph = self._graphs[key] = self._timed_capture(
+                    bucket, lambda: self._train_graph(leaves, spec, bucket, pads)
+                )
             self.stats.replays[bucket] = self.stats.replays.get(bucket, 0) + 1
             return graph(leaves, actual)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(leaves, spec, bucket)
-        graph, static_in, static_out = entry
-        for i, x in enumerate(leaves):
+            entry = self._graphs[key] = self._capture(leaves, spec, bucket, self._pads(args, kwargs, len(leaves)))
+        graph, static_in, static_out, pads = entry
+        for s, x, p in zip(static_in, leaves, pads):
             if isinstance(x, torch.Tensor):
-                fill_into(static_in[i], x, self.pad)
+                if s.shape == x.shape:
+                    s.copy_(x)
+                else:
+                    fill_into(s, x, p)
         graph.replay()
         self.stats.replays[bucket] = self.stats.replays.get(bucket, 0) + 1
+        if isinstance(static_out, torch.Tensor):
+            out = static_out if actual == bucket else trim(static_out, dims, bucket, actual)
+            return out.clone() if self.copy_outputs else out
 
         def back(o):
             if not isinstance(o, torch.Tensor):
@@ -155,91 +195,123 @@ class Graphed:
     @staticmethod
     def _signature(x, dims):
         if isinstance(x, torch.Tensor):
-            shape = tuple(-1 if d in dims else n for d, n in enumerate(x.shape))
-            return ("tensor", x.dtype, x.device, shape, x.requires_grad)
+            shape = x.shape if not dims else tuple(-1 if d in dims else n for d, n in enumerate(x.shape))
+            return (x.dtype, x.device, shape, x.requires_grad)
         try:
             hash(x)
         except TypeError:
             raise TypeError(f"graphed: non-tensor arguments must be hashable (they key graphs), got {x!r}") from None
-        return ("value", type(x), x)
+        return (type(x), x)
 
     # ---- capture ----
 
-    def _timed_capture(self, bucket, capture):
-        """capture() with the pool made on first use, the time and pool growth counted, and torch's capture
-        errors turned into CaptureError naming the cause."""
+    def _timed_capture(self, bucket, make):
+        """make() with the pool made on first use and the time and pool growth counted."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         start, before = time.perf_counter(), torch.cuda.memory_allocated()
-        try:
-            made = capture()
-        except CaptureError:
-            raise
-        except Exception as err:
-            if not _is_capture_error(err):
-                raise
-            raise CaptureError(
-                f"graphed {self.stats.name}: cannot capture bucket {bucket}: {_explain(err)} ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}); run it eagerly or move that operation out"
-            ) from err
+        made = make()
         torch.cuda.synchronize()
+        self._retired = []
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - start
         self.stats.pool_bytes = max(self.stats.pool_bytes, torch.cuda.memory_allocated() - before)
         return made
 
-    def _capture(self, leaves, spec, bucket):
-        def capture():
+    def _pads(self, args, kwargs, n_leaves) -> list:
+        """The padding value of each flattened input: pad, or pad[i] for every tensor of positional argument i
+        (keyword arguments' tensors get 0)."""
+        if _is_number(self.pad):
+            return [self.pad] * n_leaves
+        if len(self.pad) != len(args):
+            raise ValueError(
+                f"graphed: pad has {len(self.pad)} values, one per positional argument, but the call has {len(args)}"
+            )
+        pads = []
+        for a, p in zip(args, self.pad):
+            pads += [p] * (1 if isinstance(a, torch.Tensor) else len(tree_flatten(a)[0]))
+        return pads + [0] * (n_leaves - len(pads))
+
+    def _capture(self, leaves, spec, bucket, pads):
+        def make():
             dims = self.buckets.dims
             static_in = [
-                pad_to(x, dims, bucket, self.pad).clone() if isinstance(x, torch.Tensor) else x for x in leaves
+                pad_to(x, dims, bucket, p).clone() if isinstance(x, torch.Tensor) else x for x, p in zip(leaves, pads)
             ]
-            s_args, s_kwargs = tree_unflatten(static_in, spec)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(self.warmup):
-                    self.fn(*s_args, **s_kwargs)
-            torch.cuda.current_stream().wait_stream(side)
+            s_args, s_kwargs = unflatten(static_in, spec)
+            # a whole training step runs its own backward: captured with grad on; anything else without
+            mode = torch.enable_grad if self.training_step else torch.no_grad
+            with mode():
+                warm_up(lambda: self.fn(*s_args, **s_kwargs), self.warmup)
             graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool):
-                static_out = self.fn(*s_args, **s_kwargs)
-            return graph, static_in, static_out
+            with mode():
+                static_out = capture(
+                    graph,
+                    self.pool,
+                    lambda: self.fn(*s_args, **s_kwargs),
+                    self.stats.name,
+                    f"bucket {bucket}",
+                    rerun=(self.fn, s_args, s_kwargs),
+                )
+            static_out = tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, static_out)
+            return graph, static_in, static_out, pads
 
-        return self._timed_capture(bucket, capture)
+        return self._timed_capture(bucket, make)
 
-    def _train_graph(self, leaves, spec, bucket):
-        params = [p for p in self.fn.parameters() if p.requires_grad] if isinstance(self.fn, torch.nn.Module) else []
-        return TrainGraph(self.fn, leaves, spec, bucket, self.buckets.dims, self.pad, self.pool, self.warmup, params)
+    def _train_graph(self, leaves, spec, bucket, pads):
+        params = [p for p in self._params if p.requires_grad]
+        return TrainGraph(
+            self.fn, list(leaves), spec, bucket, self.buckets.dims, pads, self.warmup, params, self.stats.name
+        )
 
     def capture_all(self, *example_args, **example_kwargs):
         """Capture every bucket now, largest first (so the smaller graphs reuse the largest one's pool memory),
         from an example call whose tensors are padded up to each bucket."""
         leaves, spec = tree_flatten((example_args, example_kwargs))
+        pads = self._pads(example_args, example_kwargs, len(leaves))
         dims = self.buckets.dims
         combos = [()]
         for d in dims:
             combos = [c + (s,) for c in combos for s in self.buckets.sizes[d]]
         for bucket in sorted(combos, reverse=True):
             shaped = []
-            for x in leaves:
+            for x, p in zip(leaves, pads):
                 if isinstance(x, torch.Tensor):
                     idx = tuple(
                         slice(0, min(n, bucket[dims.index(d)])) if d in dims else slice(None)
                         for d, n in enumerate(x.shape)
                     )
-                    x = pad_to(x[idx], dims, bucket, self.pad)
+                    x = pad_to(x[idx], dims, bucket, p)
                 shaped.append(x)
             a, k = tree_unflatten(shaped, spec)
             self(*a, **k)
 
 
-def graphed(fn, *, buckets, pad=0, pool=None, warmup: int = 3, copy_outputs: bool = True, name=None) -> Graphed:
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def graphed(
+    fn,
+    *,
+    buckets,
+    pad=0,
+    pool=None,
+    warmup: int = 3,
+    copy_outputs: bool = True,
+    name=None,
+    training_step: bool = False,
+) -> Graphed:
     """fn (a function or nn.Module of tensors) replayed from one CUDA graph per shape bucket (module docstring).
 
-    buckets: sizes of dimension 0 of every tensor input, or {dim: sizes}. pad: the value padding fills.
+    buckets: sizes of dimension 0 of every tensor input, or {dim: sizes}. pad: the value padding fills, or a
+    tuple of one value per positional argument (labels padded with an ignore index, say; keyword arguments'
+    tensors get 0).
     pool: a graph memory pool to share (torch.cuda.graph_pool_handle()); by default one per callable.
     copy_outputs: return copies (True) or views of the graph's static outputs, which the next replay
     overwrites (False: faster, for callers that consume each output before the next call).
+    training_step: fn is a whole training step (forward, its own backward, optimizer step with a capturable
+    optimizer, grad scaler) captured as one graph per bucket with grad on; its outputs come back detached. The
+    `warmup` runs are real steps, as in torch's whole-network capture.
     """
-    return Graphed(fn, buckets, pad, pool, warmup, copy_outputs, name)
+    return Graphed(fn, buckets, pad, pool, warmup, copy_outputs, name, training_step)
