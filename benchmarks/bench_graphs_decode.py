@@ -9,8 +9,10 @@ kp_attention.flash_attention_with_kvcache (contiguous cache, and paged: pages of
 A step decodes one token for sequences 0..n-1, n drawn from 1..64 every step (requests joining and leaving);
 the sequences' cache lengths start at 64..512 and grow by one per step. Every provider replays the same 300
 steps from the same cache, and kp's value check of cache_seqlens (one host sync a call) is off for all of them,
-as a serving loop that owns the lengths sets it. Tokens/s count the sequences decoded; the first pass (captures,
-compiles) is timed on its own; memory is what each provider holds above the model afterwards.
+as a serving loop that owns the lengths sets it. The last provider captures kp's bucket graphs over
+torch.compile(model) (default mode): Inductor's fused kernels, replayed from one graph per bucket.
+Tokens/s count the sequences decoded; the first pass (captures, compiles) is timed on its own; memory is what
+each provider holds above the model afterwards.
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ def main() -> None:
                 "torch.compile reduce-overhead": lambda m: torch.compile(m, mode="reduce-overhead"),
                 "kp graphed, buckets 1..64": lambda m: kp_graphs.graphed(m, buckets=BUCKETS, name="decode"),
                 "one static graph (batch 64)": lambda m: kp_graphs.graphed(m, buckets=[64], name="decode, one graph"),
+                "kp graphed over torch.compile(model)": lambda m: kp_graphs.graphed(
+                    torch.compile(m), buckets=BUCKETS, name="decode, compiled"
+                ),
             }
             for name, make in makers.items():
                 torch._dynamo.reset()

@@ -257,6 +257,26 @@ def test_compile_fullgraph_equals_eager():
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: GPU only")
+def test_compile_reduce_overhead_with_split_workspaces():
+    """torch.compile(mode="reduce-overhead") over a split decode (partial outputs in kp_core workspaces) as the
+    batch changes: the workspaces made during cudagraph trees' warmup must not stay alive in their pool (they
+    refused to run with 'tensors in the cudagraph pool not tracked as outputs'), and replays equal eager."""
+    torch._dynamo.reset()
+
+    def step(q, k_cache, v_cache, seqlens):
+        return fa(q * 1, k_cache, v_cache, seqlens, num_splits=4)
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    k_cache, v_cache, _ = make_cache(4, 512, 2, 64, torch.float16, False, seed=40)
+    for i, n in enumerate((2, 3, 2, 4, 3)):
+        q = rand(n, 1, 4, 64, dtype=torch.float16, seed=41 + i)
+        seqlens = torch.tensor([500, 311, 64, 129][:n], dtype=torch.int32, device=DEVICE)
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(q, k_cache[:n], v_cache[:n], seqlens).clone()
+        assert torch.equal(got, step(q, k_cache[:n], v_cache[:n], seqlens)), n
+
+
 def test_reference_backend_is_selectable(monkeypatch):
     k_cache, v_cache, bt = make_cache(2, 32, 2, 24, torch.float32, True, seed=28)
     q = rand(2, 3, 4, 24, dtype=torch.float32, seed=29)

@@ -6,9 +6,12 @@ shape: kernels on one stream run in launch order, and one thread launches a call
 next call's first write to a buffer comes after this call's last read of it (two threads sharing a stream could
 interleave their launches: each gets its own buffers).
 
-Not cached, so allocated as usual: buffers over MAX_BYTES, any once MAX_ENTRIES are held, and all during CUDA
+Not cached, so allocated as usual: buffers over MAX_BYTES, any once MAX_ENTRIES are held, all during CUDA
 graph capture (a graph must own its memory; a cached buffer replayed on another stream would race with eager
-calls). Cached buffers are never freed or replaced, so none is released under a graph that uses it.
+calls), and all on a stream other than the device's default one: torch.compile's cudagraph trees run their
+warmup on a stream of their own with every allocation routed to their graph pool, and a buffer kept from there
+is a live tensor in that pool that no output accounts for (reduce-overhead then refuses to run). Cached buffers
+are never freed or replaced, so none is released under a graph that uses it.
 """
 
 from __future__ import annotations
@@ -30,14 +33,25 @@ def workspace(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, co
     stream = torch._C._cuda_getCurrentRawStream(like.get_device()) if cuda else 0
     key = (like.get_device(), stream, threading.get_ident(), dtype, shape, count)
     bufs = _BUFFERS.get(key)
-    capturing = cuda and torch.cuda.is_current_stream_capturing()
-    if bufs is not None and not capturing:
+    cacheable = not cuda or (
+        stream == _default_stream(like.get_device()) and not torch.cuda.is_current_stream_capturing()
+    )
+    if bufs is not None and cacheable:
         return bufs
     made = tuple(like.new_empty(shape, dtype=dtype) for _ in range(count))
     bufs = made[0] if count == 1 else made
-    if not capturing and len(_BUFFERS) < MAX_ENTRIES and count * made[0].numel() * made[0].element_size() <= MAX_BYTES:
+    if cacheable and len(_BUFFERS) < MAX_ENTRIES and count * made[0].numel() * made[0].element_size() <= MAX_BYTES:
         _BUFFERS[key] = bufs
     return bufs
+
+
+_DEFAULT_STREAMS: dict[int, int] = {}
+
+
+def _default_stream(device: int) -> int:
+    if device not in _DEFAULT_STREAMS:
+        _DEFAULT_STREAMS[device] = torch.cuda.default_stream(device).cuda_stream
+    return _DEFAULT_STREAMS[device]
 
 
 def clear() -> None:
