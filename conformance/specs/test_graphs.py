@@ -5,6 +5,8 @@ Replay needs CUDA graphs: on CPU those cells are not covered, and the padded eag
 logic, is checked instead. Every replay cell proves the graph ran (the callable's replay count moved, no eager
 call) rather than the eager fallback."""
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given
@@ -25,7 +27,16 @@ kc.declare(
         ops=(),
         reference="the function itself, run eagerly on the same inputs padded to the same bucket",
         dtypes=DTYPES,
-        properties=("values", "padded_eager", "stale", "capture_errors", "decode", "bad_input"),
+        properties=(
+            "values",
+            "padded_eager",
+            "gradients",
+            "training_step",
+            "stale",
+            "capture_errors",
+            "decode",
+            "bad_input",
+        ),
         requires="CUDA graphs for replay; CPU covers the bucket logic through the padded eager path",
     )
 )
@@ -84,6 +95,78 @@ def test_padded_eager(dtype, case):
             x = torch.randn(n, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
             assert torch.equal(g(x), expected(model, x, g.buckets.choose((n,))))
     assert g.stats.eager == {"not on a CUDA device": len(calls)} and not g.stats.replays
+
+
+@pytest.mark.conformance(kernel="graphs", prop="gradients")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(case=cases())
+def test_gradients(dtype, case):
+    """Under autograd the outputs and the gradients of the input and of every parameter equal eager autograd on
+    the same padded batch, bit for bit, accumulated over the calls: through a forward and a backward graph per
+    bucket on the GPU (each call a replay), through the padded eager path on CPU."""
+    sizes, calls, width, seed = case
+    model = stack(width, 2, dtype, seed)
+    twin = copy.deepcopy(model)
+    g = kp_graphs.graphed(model, buckets=sizes)
+    for i, n in enumerate(calls):
+        x = torch.randn(n, width, generator=torch.Generator().manual_seed(seed + i)).to(DEVICE, dtype)
+        x.requires_grad_()
+        x_twin = x.detach().clone().requires_grad_()
+        before = sum(g.stats.replays.values())
+        out = g(x)
+        if GPU:
+            assert sum(g.stats.replays.values()) == before + 1 and not g.stats.eager, "the graphs did not run"
+        want = twin(pad_to(x_twin, (0,), g.buckets.choose((n,)), 0))[:n]
+        assert torch.equal(out, want), (sizes, n)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed - i)).to(DEVICE, dtype)
+        out.backward(grad)
+        want.backward(grad)
+        assert torch.equal(x.grad, x_twin.grad), (sizes, n)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), sizes
+
+
+@pytest.mark.conformance(kernel="graphs", prop="training_step")
+@pytest.mark.parametrize("opt", ["Adam", "AdamW"])
+def test_whole_training_step(opt):
+    """A whole step (zero grads, forward, masked loss, backward, a capturable optimizer's step) in one graph per
+    bucket: losses, weights and optimizer state equal an eager twin's, bit for bit, when the twin takes the same
+    steps (the capture's warmup step included) on the same padded batches; padded rows are masked out."""
+    replay_or_skip()
+    model = stack(32, 2, torch.float32, 3)
+    twin = copy.deepcopy(model)
+    make = getattr(torch.optim, opt)
+    optims = [make(m.parameters(), lr=1e-2, capturable=True) for m in (model, twin)]
+
+    def stepper(m, o):
+        def step(x, y, mask):
+            o.zero_grad(set_to_none=True)
+            loss = ((m(x) - y).square() * mask).sum() / mask.sum()
+            loss.backward()
+            o.step()
+            return loss.detach()
+
+        return step
+
+    g = kp_graphs.graphed(stepper(model, optims[0]), buckets=[4, 8], warmup=1, training_step=True)
+    eager = stepper(twin, optims[1])
+    gen = torch.Generator().manual_seed(4)
+    for i, n in enumerate((3, 8, 4, 6, 1)):
+        x, y = (torch.randn(n, 32, generator=gen).to(DEVICE) for _ in "xy")
+        mask = torch.ones(n, 1, device=DEVICE)
+        bucket = g.buckets.choose((n,))
+        padded = [pad_to(t, (0,), bucket, 0) for t in (x, y, mask)]
+        if i < 2:  # the first call of each bucket: its warmup step is a real one
+            eager(*padded)
+        want = eager(*padded)
+        before = sum(g.stats.replays.values())
+        assert torch.equal(g(x, y, mask), want), i
+        assert sum(g.stats.replays.values()) == before + 1 and not g.stats.eager
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        for k, v in optims[0].state[p].items():
+            assert torch.equal(v, optims[1].state[q][k]), k
+    assert g.stats.captures == 2
 
 
 @pytest.mark.conformance(kernel="graphs", prop="stale")

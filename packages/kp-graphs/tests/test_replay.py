@@ -26,6 +26,8 @@ def test_replay_equals_eager_bit_for_bit_in_every_bucket(dtype):
             # eager on the same padded batch: rows do not mix, so the first n rows are the reference
             assert torch.equal(g(x), model(pad_to(x, (0,), g.buckets.choose((n,)), 0))[:n]), n
     assert g.stats.captures == 5 and sum(g.stats.replays.values()) == 8 and not g.stats.eager
+    # each bucket's first call captured its graph, later calls found it
+    assert g.stats.bucket_hit_rates() == {(1,): 0.0, (2,): 0.0, (4,): 0.5, (8,): 0.5, (16,): 0.5}
 
 
 def test_outputs_are_not_overwritten_by_the_next_replay():

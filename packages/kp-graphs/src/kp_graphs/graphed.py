@@ -214,6 +214,7 @@ class Graphed:
         torch.cuda.synchronize()
         self._retired = []
         self.stats.captures += 1
+        self.stats.captured[bucket] = self.stats.captured.get(bucket, 0) + 1
         self.stats.capture_seconds += time.perf_counter() - start
         self.stats.pool_bytes = max(self.stats.pool_bytes, torch.cuda.memory_allocated() - before)
         return made

@@ -12,6 +12,7 @@ class Stats:
     captures: int = 0
     capture_seconds: float = 0.0
     replays: dict = dataclasses.field(default_factory=dict)  # bucket -> count
+    captured: dict = dataclasses.field(default_factory=dict)  # bucket -> captures (per signature; again when stale)
     eager: dict = dataclasses.field(default_factory=dict)  # reason -> count
     invalidations: int = 0
     pool_bytes: int = 0
@@ -25,7 +26,12 @@ class Stats:
 
     @property
     def hit_rate(self) -> float:
+        """The share of calls replayed from a graph (the rest ran eagerly)."""
         return sum(self.replays.values()) / self.calls if self.calls else 0.0
+
+    def bucket_hit_rates(self) -> dict:
+        """Per bucket, the share of its replays that found their graph already captured."""
+        return {b: (n - self.captured.get(b, 0)) / n for b, n in self.replays.items() if n}
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -38,12 +44,14 @@ def register(graphed) -> None:
 def report() -> str:
     """A markdown table of every live graphed callable's stats."""
     lines = [
-        "| graphed | calls | replays (per bucket) | hit rate | eager (why) | captures | capture s | pool MiB |",
+        "| graphed | calls | replayed | per bucket: replays (graph already there) | eager (why) | captures | "
+        "capture s | pool MiB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for g in sorted(_LIVE, key=lambda g: g.stats.name):
         s = g.stats
-        per = ", ".join(f"{b}: {n}" for b, n in sorted(s.replays.items())) or "-"
+        hits = s.bucket_hit_rates()
+        per = ", ".join(f"{b}: {n} ({100 * hits[b]:.0f} %)" for b, n in sorted(s.replays.items())) or "-"
         why = ", ".join(f"{r}: {n}" for r, n in sorted(s.eager.items())) or "-"
         lines.append(
             f"| {s.name} | {s.calls} | {per} | {100 * s.hit_rate:.0f} % | {why} | {s.captures} | "
