@@ -146,7 +146,7 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"torch {meta['torch']}, triton {meta['triton']}. The demo's Llama (dim 2048, 4 layers), fp32 weights, bf16 "
         "autocast, fused AdamW; the same steps for every provider. ms / step over the second pass; MiB held by the "
         "provider's model copy, gradients, optimizer state and graphs. "
-        "Losses differ because graphed providers' warmup runs are real steps.",
+        "Losses differ by padding (a batch of 3 runs at 4) and fusion.",
         "",
         "| provider | ms / step | tokens/s | first pass s | MiB held | last loss |",
         "|---|---|---|---|---|---|",

@@ -10,6 +10,7 @@ one eager run with CUDA's sync check set to error.
 
 from __future__ import annotations
 
+import gc
 import os
 import traceback
 
@@ -45,19 +46,20 @@ _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 _STREAMS: dict = {}
 
 
-def streams() -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """The current device's warmup and capture streams, one pair per process: cuBLAS keeps a workspace per
-    stream (32 MiB on Hopper), so a new pair per capture would hold one more pair of workspaces per bucket."""
+def stream() -> torch.cuda.Stream:
+    """The current device's stream for warmup and capture, one per process: cuBLAS keeps a workspace per stream
+    (32 MiB on Hopper), made on a stream's first use; warming up on the capture stream makes it there, outside
+    any graph, rather than inside the first capture's pool."""
     device = torch.cuda.current_device()
     if device not in _STREAMS:
-        _STREAMS[device] = (torch.cuda.Stream(), torch.cuda.Stream())
+        _STREAMS[device] = torch.cuda.Stream()
     return _STREAMS[device]
 
 
 def warm_up(run, times: int) -> None:
     """run() `times` times on the warmup stream (lazy initialisation and autotuning happen there, not in the
     capture, as torch.cuda.make_graphed_callables does)."""
-    side = streams()[0]
+    side = stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(times):
@@ -94,7 +96,7 @@ def _end_failed(graph: torch.cuda.CUDAGraph, pool) -> None:
             pass
     try:  # an empty capture takes the generators into capture mode and out again
         empty = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(streams()[1]):
+        with torch.cuda.stream(stream()):
             empty.capture_begin()
             empty.capture_end()
     except Exception:
@@ -121,13 +123,34 @@ def sync_line(fn, args, kwargs) -> str | None:
     return None
 
 
+def kept_bytes(pool, outputs) -> int:
+    """Bytes allocated in `pool` beyond the storages of `outputs` (the live graphs' static outputs): what a
+    function kept from its capture in a global, an attribute or a cache. Fast path: torch's exact check; only
+    when it fails, a memory snapshot says how much."""
+    expected = {t.untyped_storage().data_ptr() for t in outputs}
+    device = torch.cuda.current_device()
+    if torch._C._cuda_checkPoolLiveAllocations(device, pool, expected):
+        return 0
+    gc.collect()  # a dead tensor not yet collected is no leak
+    extra = 0
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        if tuple(segment.get("segment_pool_id", ())) != tuple(pool):
+            continue
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated" and address not in expected:
+                extra += block["size"]
+            address += block["size"]
+    return extra
+
+
 def capture(graph: torch.cuda.CUDAGraph, pool, body, name: str, where: str, rerun=None):
     """body() captured into graph (allocations from pool) on a side stream; its result. CaptureError on
     CUDA's refusal, the process left usable; rerun=(fn, args, kwargs) locates a synchronising line."""
     torch.cuda.synchronize()  # as torch.cuda.graph: nothing of the warmup still running into the capture
     torch.clear_autocast_cache()  # casts cached by the warmup would be read, not captured, and go stale
     line = None
-    with torch.cuda.stream(streams()[1]):
+    with torch.cuda.stream(stream()):
         graph.capture_begin(pool=pool)
         try:
             out = body()

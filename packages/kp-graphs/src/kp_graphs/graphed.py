@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from kp_graphs import stats as stats_mod
 from kp_graphs.autograd import TrainGraph
 from kp_graphs.buckets import Buckets, fill_into, pad_to, trim, unflatten
-from kp_graphs.capture import CaptureError, capture, warm_up
+from kp_graphs.capture import CaptureError, capture, kept_bytes, warm_up
 
 __all__ = ["CaptureError", "Graphed", "graphed"]
 
@@ -69,6 +69,8 @@ class Graphed:
         self.stats = stats_mod.Stats(name or getattr(fn, "__name__", type(fn).__name__))
         self._graphs: dict = {}
         self._retired: list = []
+        self._warm: dict = {}  # key -> a training step's warmup calls so far
+        self._own_pool = False  # a pool given by the caller may hold other callables' graphs
         self._tensors, self._ptrs, self._params, self._seen = [], [], [], 0
         if isinstance(fn, torch.nn.Module):
             _watch_registrations()
@@ -135,9 +137,7 @@ class Graphed:
             # the same padding and cutting back as a replay, run eagerly (CPU tensors, or no CUDA); padding and
             # slicing are differentiable, so autograd sees the same computation a graph would run
             self.stats.count_eager("not on a CUDA device")  # counted, not warned: CPU runs are expected (CI)
-            pads = self._pads(args, kwargs, len(leaves))
-            padded = [pad_to(x, dims, bucket, p) if isinstance(x, torch.Tensor) else x for x, p in zip(leaves, pads)]
-            p_args, p_kwargs = unflatten(padded, spec)
+            p_args, p_kwargs = unflatten(self._padded(leaves, self._pads(args, kwargs, len(leaves)), bucket), spec)
             out = self.fn(*p_args, **p_kwargs)
             return tree_map(lambda o: trim(o, dims, bucket, actual) if isinstance(o, torch.Tensor) else o, out)
         if not all(c for c, x in zip(cuda, leaves) if isinstance(x, torch.Tensor)):
@@ -146,6 +146,7 @@ class Graphed:
         if self._stale():
             self._retired = list(self._graphs.values())  # alive until the next capture: the pool stays in use
             self._graphs.clear()
+            self._warm.clear()
             self.stats.invalidations += 1
         training = (
             not self.training_step
@@ -170,7 +171,23 @@ class Graphed:
             return graph(leaves, actual)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(leaves, spec, bucket, self._pads(args, kwargs, len(leaves)))
+            pads = self._pads(args, kwargs, len(leaves))
+            if self.training_step and self._warm.get(key, 0) < self.warmup:
+                # a whole step's warmup runs are the calls' own steps, on their padded batches: training takes no
+                # step an eager loop would not, and the capture comes at the bucket's call warmup + 1
+                self._warm[key] = self._warm.get(key, 0) + 1
+                self.stats.count_eager("warming up a training step's bucket")  # counted, not warned: expected
+                padded = [
+                    pad_to(x, dims, bucket, p) if isinstance(x, torch.Tensor) else x for x, p in zip(leaves, pads)
+                ]
+                p_args, p_kwargs = unflatten(padded, spec)
+                out = []
+                with torch.enable_grad():
+                    warm_up(lambda: out.append(self.fn(*p_args, **p_kwargs)), 1)
+                return tree_map(
+                    lambda o: trim(o.detach(), dims, bucket, actual) if isinstance(o, torch.Tensor) else o, out[0]
+                )
+            entry = self._graphs[key] = self._capture(leaves, spec, bucket, pads)
         graph, static_in, static_out, pads = entry
         for s, x, p in zip(static_in, leaves, pads):
             if isinstance(x, torch.Tensor):
@@ -208,7 +225,7 @@ class Graphed:
     def _timed_capture(self, bucket, make):
         """make() with the pool made on first use and the time and pool growth counted."""
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+            self.pool, self._own_pool = torch.cuda.graph_pool_handle(), True
         start, before = time.perf_counter(), torch.cuda.memory_allocated()
         made = make()
         torch.cuda.synchronize()
@@ -233,17 +250,21 @@ class Graphed:
             pads += [p] * (1 if isinstance(a, torch.Tensor) else len(tree_flatten(a)[0]))
         return pads + [0] * (n_leaves - len(pads))
 
+    def _padded(self, leaves, pads, bucket) -> list:
+        """The flattened inputs with each tensor padded up to the bucket (a tensor that fits is itself)."""
+        dims = self.buckets.dims
+        return [pad_to(x, dims, bucket, p) if isinstance(x, torch.Tensor) else x for x, p in zip(leaves, pads)]
+
     def _capture(self, leaves, spec, bucket, pads):
         def make():
-            dims = self.buckets.dims
-            static_in = [
-                pad_to(x, dims, bucket, p).clone() if isinstance(x, torch.Tensor) else x for x, p in zip(leaves, pads)
-            ]
+            static_in = [x.clone() if isinstance(x, torch.Tensor) else x for x in self._padded(leaves, pads, bucket)]
             s_args, s_kwargs = unflatten(static_in, spec)
             # a whole training step runs its own backward: captured with grad on; anything else without
+            # (its warmup ran as the bucket's first calls, and no diagnostic rerun: that would be one more step)
             mode = torch.enable_grad if self.training_step else torch.no_grad
-            with mode():
-                warm_up(lambda: self.fn(*s_args, **s_kwargs), self.warmup)
+            if not self.training_step:
+                with mode():
+                    warm_up(lambda: self.fn(*s_args, **s_kwargs), self.warmup)
             graph = torch.cuda.CUDAGraph()
             with mode():
                 static_out = capture(
@@ -252,12 +273,30 @@ class Graphed:
                     lambda: self.fn(*s_args, **s_kwargs),
                     self.stats.name,
                     f"bucket {bucket}",
-                    rerun=(self.fn, s_args, s_kwargs),
+                    rerun=None if self.training_step else (self.fn, s_args, s_kwargs),
                 )
             static_out = tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, static_out)
+            if self._own_pool and not self.training_step:  # (a step's gradients are its graph's own, by design)
+                self._check_pool(static_out, bucket)
             return graph, static_in, static_out, pads
 
         return self._timed_capture(bucket, make)
+
+    def _check_pool(self, new_out, bucket) -> None:
+        """CaptureError when fn kept a tensor allocated during capture beyond its outputs: it lives in the pool,
+        where another bucket's capture may reuse the memory and its replay overwrite it."""
+        outputs = [o for o in tree_flatten(new_out)[0] if isinstance(o, torch.Tensor)]
+        for entry in [*self._graphs.values(), *self._retired]:
+            if isinstance(entry, tuple):
+                outputs += [o for o in tree_flatten(entry[2])[0] if isinstance(o, torch.Tensor)]
+        extra = kept_bytes(self.pool, outputs)
+        if extra:
+            raise CaptureError(
+                f"graphed {self.stats.name}: cannot capture bucket {bucket}: fn keeps {extra} bytes allocated "
+                "during capture beyond its outputs (a tensor stored in a global, an attribute or a cache); they "
+                "live in the graph's pool, where another bucket's replay may overwrite them. Return the tensor, "
+                "or allocate it before the first call"
+            )
 
     def _train_graph(self, leaves, spec, bucket, pads):
         params = [p for p in self._params if p.requires_grad]
@@ -312,7 +351,8 @@ def graphed(
     copy_outputs: return copies (True) or views of the graph's static outputs, which the next replay
     overwrites (False: faster, for callers that consume each output before the next call).
     training_step: fn is a whole training step (forward, its own backward, optimizer step with a capturable
-    optimizer, grad scaler) captured as one graph per bucket with grad on; its outputs come back detached. The
-    `warmup` runs are real steps, as in torch's whole-network capture.
+    optimizer, grad scaler) captured as one graph per bucket with grad on; its outputs come back detached. A
+    bucket's first `warmup` calls run the step eagerly (on their padded batches, on the warmup stream) and its
+    next call captures it, so training takes exactly the steps it is called for.
     """
     return Graphed(fn, buckets, pad, pool, warmup, copy_outputs, name, training_step)
