@@ -60,7 +60,22 @@ def test_a_replaced_or_resized_parameter_recaptures():
         assert torch.equal(g(x), model(x))
         nn.Linear(8, 8)  # a module made elsewhere: the check looks again and finds this one unchanged
         assert torch.equal(g(x), model(x))
-    assert g.stats.invalidations == 3 and g.stats.captures == 4
+        model.double()  # a dtype change: every parameter gets new storage
+        assert torch.equal(g(x.double()), model(x.double()))
+    assert g.stats.invalidations == 4 and g.stats.captures == 5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_inputs_on_another_gpu_are_captured_and_replayed_there():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU()).to("cuda:1")
+    g = kp_graphs.graphed(model, buckets=[4])
+    with torch.no_grad(), torch.cuda.device(0):
+        for n in (3, 4, 2):
+            x = torch.randn(n, 64, device="cuda:1")
+            out = g(x)
+            assert out.device == x.device and torch.equal(out, model(pad_to(x, (0,), (4,), 0))[:n])
+    assert g.stats.captures == 1 and sum(g.stats.replays.values()) == 3
 
 
 def test_in_place_updates_are_seen_without_recapture():

@@ -143,6 +143,10 @@ class Graphed:
         if not all(c for c, x in zip(cuda, leaves) if isinstance(x, torch.Tensor)):
             detail = "a graph reads its inputs from GPU memory; move the tensor to the GPU first"
             return self._eager("a CPU tensor among CUDA inputs", detail, args, kwargs)
+        device = next(x for x in leaves if isinstance(x, torch.Tensor)).get_device()
+        if device != torch.cuda.current_device():  # capture and replay on the inputs' GPU, with its stream
+            with torch.cuda.device(device):
+                return self(*args, **kwargs)
         if self._stale():
             self._retired = list(self._graphs.values())  # alive until the next capture: the pool stays in use
             self._graphs.clear()
