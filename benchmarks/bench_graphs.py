@@ -111,11 +111,7 @@ def main() -> None:
             print(f"1..64    {name:32s} {us:8.1f} us (first pass {first:9.1f}) {held:7.1f} MiB", flush=True)
         print(kp_graphs.report())
     meta = {"kernel": "graphs", "op": "graphed", "dtype": "float16", "model_mib": base}
-    meta.update(harness.versions())
-    md = render(meta, rows)
-    out = harness.write_results("graphs", meta, rows, md, lambda p: plot(rows, meta, p))
-    print(md)
-    print(f"wrote {out}")
+    harness.publish("graphs", meta, rows, render, plot)
 
 
 def render(meta: dict, rows: list[dict]) -> str:
@@ -137,21 +133,8 @@ def render(meta: dict, rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], meta: dict, path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    names = list(dict.fromkeys(r["provider"] for r in rows))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ys = [next((r["us_per_call"] for r in rows if r["case"] == c and r["provider"] == name), 0) for c in cases]
-        ax.bar([j + i * width for j in range(len(cases))], ys, width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], cases)
-    ax.set_ylabel("us per call")
-    ax.set_title(f"64 x Linear(1024) fp16, {meta['device']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    title = f"64 x Linear(1024) fp16, {meta['device']}"
+    harness.plot_grouped(rows, path, "case", "us_per_call", "us per call", title)
 
 
 if __name__ == "__main__":

@@ -183,11 +183,7 @@ def main() -> None:
             del model
         print(kp_graphs.report())
     meta = {"kernel": "graphs_decode", "op": "graphed", "dtype": "bfloat16", "steps": STEPS}
-    meta.update(harness.versions())
-    md = render(meta, rows)
-    out = harness.write_results("graphs_decode", meta, rows, md, lambda p: plot(rows, meta, p))
-    print(md)
-    print(f"wrote {out}")
+    harness.publish("graphs_decode", meta, rows, render, plot)
 
 
 def render(meta: dict, rows: list[dict]) -> str:
@@ -197,8 +193,8 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"torch {meta['torch']}, triton {meta['triton']}. {meta['steps']} steps, the same for every provider; "
         "tokens/s over the second pass; first pass s includes captures and compiles; MiB allocated and reserved "
         "(graph pools included) above what was there before the provider, after both passes (the first graphed "
-        "provider also pays the two 32 MiB cuBLAS workspaces of kp's warmup and capture streams, made once per "
-        "process); 'same as eager': share of steps whose tokens all equal eager's on the unpadded batch (a padded "
+        "provider also pays the 32 MiB cuBLAS workspace of kp's capture stream, made once per process); "
+        "'same as eager': share of steps whose tokens all equal eager's on the unpadded batch (a padded "
         "batch runs other GEMM and split shapes, so near-tied logits can flip; the conformance spec checks "
         "replays bit for bit against eager on the same padded batch).",
         "",
@@ -219,24 +215,8 @@ def render(meta: dict, rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], meta: dict, path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    caches = list(dict.fromkeys(r["cache"] for r in rows))
-    names = list(dict.fromkeys(r["provider"] for r in rows))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ys = [
-            next((r.get("tokens_per_s", 0) for r in rows if r["cache"] == c and r["provider"] == name), 0)
-            for c in caches
-        ]
-        ax.bar([j + i * width for j in range(len(caches))], ys, width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(caches))], caches)
-    ax.set_ylabel("tokens / s")
-    ax.set_title(f"tiny Llama decode, batch 1..64, {meta['device']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    title = f"tiny Llama decode, batch 1..64, {meta['device']}"
+    harness.plot_grouped(rows, path, "cache", "tokens_per_s", "tokens / s", title)
 
 
 if __name__ == "__main__":

@@ -132,11 +132,7 @@ def main() -> None:
         del model, step
     print(kp_graphs.report())
     meta = {"kernel": "graphs_train", "op": "graphed", "dtype": "fp32 weights, bf16 autocast", "seq": SEQ}
-    meta.update(harness.versions())
-    md = render(meta, rows)
-    out = harness.write_results("graphs_train", meta, rows, md, lambda p: plot(rows, meta, p))
-    print(md)
-    print(f"wrote {out}")
+    harness.publish("graphs_train", meta, rows, render, plot)
 
 
 def render(meta: dict, rows: list[dict]) -> str:

@@ -84,6 +84,35 @@ def write_results(kernel: str, meta: dict, rows: list[dict], markdown: str, plot
     return out
 
 
+def publish(kernel: str, meta: dict, rows: list[dict], render, plot) -> None:
+    """The end of a benchmark: versions into meta, the markdown rendered, JSON + markdown + plot written, both
+    printed."""
+    meta.update(versions())
+    md = render(meta, rows)
+    out = write_results(kernel, meta, rows, md, lambda p: plot(rows, meta, p))
+    print(md)
+    print(f"wrote {out}")
+
+
+def plot_grouped(rows: list[dict], path, group: str, value: str, ylabel: str, title: str) -> None:
+    """One bar per provider within each group (rows' `group` values), heights from `value` (0 where missing)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ys = [next((r.get(value, 0) for r in rows if r[group] == g and r["provider"] == name), 0) for g in groups]
+        ax.bar([j + i * width for j in range(len(groups))], ys, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 TIMING_TITLES = {
     "graph": "Kernel throughput: CUDA graph replay (GPU time only)",
     "eager": "Plain launches: triton.testing.do_bench (includes CPU launch/autograd overhead when it dominates)",
