@@ -311,3 +311,16 @@ def fake_quantize_int(x, qmax, group):
     scale = torch.maximum(amax, torch.full_like(amax, 1e-12)) / torch.full_like(amax, float(qmax))
     codes = torch.round(xg / scale).clamp(-qmax - 1, qmax)
     return (codes * scale).to(x.dtype).reshape(x.shape), codes.reshape(x.shape)
+
+
+def mask_2_4(weight, column_scale=None):
+    """The 2:4 keep mask along the last dim: per group of 4, the 2 highest float32 scores |w| (times
+    column_scale), NaN as +inf, ties to the lower index; by a stable descending sort (kp ranks pairwise)."""
+    s = weight.float().abs()
+    if column_scale is not None:
+        s = s * column_scale.float()
+    s = torch.nan_to_num(s, nan=float("inf"), posinf=float("inf"))
+    groups = s.reshape(*weight.shape[:-1], -1, 4)
+    top = torch.sort(groups, dim=-1, descending=True, stable=True).indices[..., :2]
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, top, True)
+    return keep.reshape(weight.shape)

@@ -1,0 +1,108 @@
+"""2:4 prune + pack (kp_sparsity.pack_2_4) against PyTorch's own conversions and the copy bandwidth, one run.
+
+    python benchmarks/bench_sparsity.py          # writes results/<device>/sparsity.{json,md,png}
+    python benchmarks/bench_sparsity.py --tune   # sweep kp's tile (BLOCK_M, BLOCK_K, num_warps) with kp_core.pin
+
+Weights of the Llama MLP shapes in bf16, magnitude selection. GB/s count the bytes the fused pass must move:
+the weight read (2 bytes an entry) and the packed values (1) and metadata (1/8) written. Providers:
+- kp pack_2_4: choose, prune and pack in one kernel;
+- torch prune + pack: the plain-PyTorch 2:4 choice (topk of |w| per group), then torch's CUTLASS converter
+  (sparse_semi_structured_from_dense_cutlass, what to_sparse_semi_structured runs for CUTLASS);
+- torch._sparse_semi_structured_tile: PyTorch's fused prune + pack kernel (it also packs the transpose, so it
+  writes twice the output: its GB/s count the same bytes as kp's, and it is the anchor to beat).
+Times are CUDA-graph replays (GPU time only), median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import harness
+import torch
+from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass
+
+import kp_core
+import kp_sparsity
+
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (8192, 8192)]
+
+
+def torch_prune_pack(w):
+    groups = w.view(w.shape[0], -1, 4)
+    top = groups.abs().topk(2, dim=-1).indices
+    pruned = torch.zeros_like(groups).scatter_(-1, top, groups.gather(-1, top)).view_as(w)
+    return sparse_semi_structured_from_dense_cutlass(pruned)
+
+
+def main() -> None:
+    harness.require_gpu()
+    copy = harness.copy_bandwidth_gbps()
+    rows = []
+    for m, k in SHAPES:
+        w = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        nbytes = m * k * 2 + m * k + m * k // 8
+        providers = {
+            "kp pack_2_4": lambda w=w: kp_sparsity.pack_2_4(w),
+            "torch prune + CUTLASS converter": lambda w=w: torch_prune_pack(w),
+            "torch._sparse_semi_structured_tile": lambda w=w: torch._sparse_semi_structured_tile(w, "", True),
+        }
+        for name, fn in providers.items():
+            try:
+                ms = harness.bench_graph_ms(fn)
+            except Exception as err:  # an anchor this build lacks is reported, not dropped
+                rows.append(dict(shape=f"{m}x{k}", provider=name, failed=f"{type(err).__name__}: {err}"[:160]))
+                print(f"{m}x{k} {name}: failed: {rows[-1]['failed']}", flush=True)
+                continue
+            gbps = nbytes / ms / 1e6
+            rows.append(dict(shape=f"{m}x{k}", provider=name, ms=ms, gbps=gbps, pct_copy=100 * gbps / copy))
+            print(f"{m}x{k:<6} {name:36s} {ms * 1e3:8.1f} us {gbps:7.0f} GB/s ({100 * gbps / copy:5.1f} %)", flush=True)
+    meta = {"kernel": "sparsity", "op": "pack_2_4", "dtype": "bfloat16", "copy_gbps": copy}
+    harness.publish("sparsity", meta, rows, render, plot)
+
+
+def tune() -> None:
+    harness.require_gpu()
+    for m, k in [(4096, 4096), (14336, 4096), (8192, 8192)]:
+        w = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        nbytes = m * k * 2 + m * k + m * k // 8
+        results = []
+        for bm, bk, warps in itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (2, 4, 8)):
+            if bm * bk > 65536:
+                continue
+            with kp_core.pinned("_prune_2_4", block_m=bm, block_k=bk, num_warps=warps):
+                ms = harness.bench_graph_ms(lambda w=w: kp_sparsity.pack_2_4(w))
+            results.append((nbytes / ms / 1e6, bm, bk, warps))
+        results.sort(reverse=True)
+        best = [tuple(round(v) for v in r) for r in results[:5]]
+        print(f"tune {m}x{k}: best GB/s, BLOCK_M, BLOCK_K, num_warps: {best}", flush=True)
+
+
+def render(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# 2:4 prune + pack, bf16, {meta['device']}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}; copy bandwidth {meta['copy_gbps']:.0f} GB/s. GB/s count "
+        "the weight read and the packed values and metadata written (3.125 bytes an entry); CUDA-graph replay.",
+        "",
+        "| shape | provider | us | GB/s | % of copy |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['shape']} | {r['provider']} | failed: {r['failed']} | | |")
+        else:
+            lines.append(
+                f"| {r['shape']} | {r['provider']} | {r['ms'] * 1e3:.1f} | {r['gbps']:.0f} | {r['pct_copy']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], meta: dict, path) -> None:
+    harness.plot_grouped(rows, path, "shape", "gbps", "GB/s", f"2:4 prune + pack, bf16, {meta['device']}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tune", action="store_true")
+    tune() if parser.parse_args().tune else main()

@@ -1,0 +1,225 @@
+"""Conformance spec for kp-sparsity's 2:4 pruning and packing (kp::prune_2_4).
+
+Masks are checked exactly against a plain-PyTorch selection (a stable descending sort of the float32 scores
+per group of 4: ties to the lower index, NaN kept; kp_conformance.references.mask_2_4), pruned weights exactly
+against the weight masked by it, and the packed form exactly: it unpacks (PyTorch's own CUTLASS conversion) to
+the pruned weight, and where every kept value is nonzero its values and metadata are PyTorch's own packing of
+the pruned weight bit for bit.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.sparse._semi_structured_conversions import (
+    sparse_semi_structured_from_dense_cutlass,
+    sparse_semi_structured_to_dense_cutlass,
+)
+
+import kp_conformance as kc
+import kp_core
+import kp_sparsity
+from kp_conformance.references import mask_2_4 as ref_mask
+from kp_sparsity.ops import prune as prune_mod
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PACK = (torch.float16, torch.bfloat16)
+DEVICE = kc.device()
+OP = "kp::prune_2_4"
+
+kc.declare(
+    kc.Spec(
+        name="sparsity",
+        ops=(OP,),
+        reference=(
+            "plain PyTorch: per group of 4 along the reduction dim, a stable descending sort of the float32 scores "
+            "(|w|, times column_scale for Wanda; NaN as +inf) keeps the first 2; PyTorch's own CUTLASS "
+            "semi-structured conversion for the packed form"
+        ),
+        dtypes=DTYPES,
+        properties=("mask", "prune", "pack", "no_mutation", "zero_size", "bad_input", "opcheck", "compile"),
+    )
+)
+
+
+@st.composite
+def weights(draw, packed=False):
+    rows = draw(st.sampled_from([32, 64, 96])) if packed else draw(st.integers(1, 70))
+    cols = 64 * draw(st.integers(1, 3)) if packed else 4 * draw(st.integers(1, 66))
+    family = draw(st.sampled_from(kc.FAMILIES + ("ties",)))
+    return dict(
+        shape=(rows, cols),
+        family=family,
+        layout=draw(st.sampled_from(("contiguous", "row_strided"))),
+        wanda=draw(st.booleans()),
+        nan=draw(st.integers(0, 5)) == 0,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def make(c, dtype):
+    if c["family"] == "ties":  # few distinct magnitudes: most groups hold equal scores
+        g = torch.Generator().manual_seed(c["seed"])
+        w = (torch.randint(-2, 3, c["shape"], generator=g) * 0.5).to(dtype).to(DEVICE)
+    else:
+        w = kc.make_input(c["shape"], dtype, DEVICE, c["layout"], seed=c["seed"], family=c["family"])
+    if c["nan"]:
+        w[c["seed"] % w.shape[0], c["seed"] % w.shape[1]] = float("nan")
+    scale = None
+    if c["wanda"]:
+        g = torch.Generator().manual_seed(c["seed"] + 1)
+        scale = torch.rand(c["shape"][1], generator=g).to(DEVICE)
+        scale[:: max(1, c["shape"][1] // 5)] = 0.0  # a feature never active: its weights score 0
+    return w, scale
+
+
+def run(fn, *args, **kw):
+    """fn's result, with the proof that kp's kernel (not the reference path) ran."""
+    with kp_core.record_launches() as rec:
+        out = fn(*args, **kw)
+    kc.assert_kernel_ran(rec, OP)
+    return out
+
+
+def assert_same(what, ours, ref):
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.conformance(kernel="prune_2_4", prop="mask")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(c=weights())
+def test_mask(dtype, c):
+    w, scale = make(c, dtype)
+    mask = run(kp_sparsity.mask_2_4, w, column_scale=scale)
+    assert mask.dtype == torch.bool and mask.shape == w.shape
+    assert torch.equal(mask, ref_mask(w, scale))
+    assert bool((mask.view(-1, 4).sum(-1) == 2).all())
+
+
+@pytest.mark.conformance(kernel="prune_2_4", prop="prune")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(c=weights())
+def test_prune(dtype, c):
+    w, scale = make(c, dtype)
+    before = w.clone()
+    pruned = run(kp_sparsity.prune_2_4, w, column_scale=scale)
+    assert_same("pruned", pruned, torch.where(ref_mask(w, scale), w, torch.zeros_like(w)))
+    assert_same("the input (not changed)", w, before)
+
+
+@pytest.mark.conformance(kernel="prune_2_4", prop="pack")
+@pytest.mark.parametrize("dtype", PACK, ids=kc.dtype_id)
+@given(c=weights(packed=True))
+def test_pack(dtype, c):
+    w, scale = make(c, dtype)
+    values, meta = run(kp_sparsity.pack_2_4, w, column_scale=scale)
+    pruned = torch.where(ref_mask(w, scale), w, torch.zeros_like(w))
+    assert values.shape == (w.shape[0], w.shape[1] // 2) and meta.shape == (w.shape[0], w.shape[1] // 16)
+    assert_same("unpacked", sparse_semi_structured_to_dense_cutlass(values, meta), pruned)
+    if bool(((pruned != 0).view(-1, 4).sum(-1) == 2).all()):  # no kept zero: the packing is unique
+        ref_values, ref_meta = sparse_semi_structured_from_dense_cutlass(pruned)
+        assert_same("values", values, ref_values)
+        assert torch.equal(meta, ref_meta), "metadata differs from PyTorch's CUTLASS packing"
+
+
+@pytest.mark.conformance(kernel="prune_2_4", prop="pack")
+@pytest.mark.parametrize("dtype", PACK, ids=kc.dtype_id)
+def test_pack_layout_matches_pytorch(dtype):
+    """Every group's two kept values nonzero: values and metadata equal PyTorch's CUTLASS packing bit for bit, for
+    several tiles in both directions (the metadata's reordering spans 32 rows and pairs of 16-column groups)."""
+    g = torch.Generator().manual_seed(3)
+    sign = torch.randint(0, 2, (160, 320), generator=g) * 2 - 1
+    w = ((torch.rand(160, 320, generator=g) + 0.5) * sign).to(dtype).to(DEVICE)
+    values, meta = run(kp_sparsity.pack_2_4, w)
+    ref_values, ref_meta = sparse_semi_structured_from_dense_cutlass(torch.where(ref_mask(w), w, torch.zeros_like(w)))
+    assert_same("values", values, ref_values)
+    assert torch.equal(meta, ref_meta)
+
+
+@pytest.mark.conformance(kernel="prune_2_4", prop="zero_size")
+def test_zero_size():
+    w = torch.empty(0, 8, device=DEVICE)
+    assert kp_sparsity.mask_2_4(w).shape == (0, 8) and kp_sparsity.prune_2_4(w).shape == (0, 8)
+
+
+def _w(shape, dtype=torch.float16):
+    return torch.ones(shape, dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.conformance(kernel="prune_2_4", prop="bad_input")
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (lambda: kp_sparsity.mask_2_4([[1.0] * 4]), TypeError, "weight must be a torch.Tensor"),
+        (lambda: kp_sparsity.mask_2_4(_w((8,))), ValueError, "weight must have 2 dimensions"),
+        (lambda: kp_sparsity.mask_2_4(_w((2, 8, 8))), ValueError, "weight must have 2 dimensions"),
+        (lambda: kp_sparsity.mask_2_4(_w((8, 6))), ValueError, "multiple of 4"),
+        (lambda: kp_sparsity.mask_2_4(_w((8, 8), torch.int32)), TypeError, "weight must have dtype"),
+        (lambda: kp_sparsity.pack_2_4(_w((32, 64), torch.float32)), TypeError, "weight must have dtype"),
+        (lambda: kp_sparsity.pack_2_4(_w((16, 64))), ValueError, "multiple of 32"),
+        (lambda: kp_sparsity.pack_2_4(_w((32, 48))), ValueError, "multiple of 64"),
+        (
+            lambda: kp_sparsity.mask_2_4(_w((8, 8)), column_scale=torch.ones(4, device=DEVICE)),
+            ValueError,
+            "column_scale must have shape",
+        ),
+        (
+            lambda: kp_sparsity.mask_2_4(_w((8, 8)), column_scale=torch.ones(8, device=DEVICE, dtype=torch.float16)),
+            TypeError,
+            "column_scale must have dtype",
+        ),
+        (
+            lambda: kp_sparsity.unpack_2_4(_w((32, 32)), torch.zeros(32, 3, dtype=torch.int16, device=DEVICE)),
+            ValueError,
+            "meta must have shape",
+        ),
+    ],
+    ids=[
+        "not a tensor",
+        "1-D",
+        "3-D",
+        "K not a multiple of 4",
+        "integer weight",
+        "fp32 packing",
+        "rows for packing",
+        "columns for packing",
+        "column_scale shape",
+        "column_scale dtype",
+        "meta shape",
+    ],
+)
+def test_bad_input(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+@pytest.mark.conformance(kernel="prune_2_4", prop="opcheck")
+@pytest.mark.parametrize("dtype", PACK, ids=kc.dtype_id)
+def test_opcheck(dtype):
+    w = kc.make_input((64, 128), dtype, DEVICE, "row_strided", seed=2)
+    scale = torch.rand(128, device=DEVICE)
+    with kp_core.record_launches() as rec:
+        torch.library.opcheck(prune_mod.PRUNE.op, (w, None, True, True, True))
+        torch.library.opcheck(prune_mod.PRUNE.op, (w, scale, True, False, False))
+    kc.assert_kernel_ran(rec, OP)
+
+
+@pytest.mark.conformance(kernel="prune_2_4", prop="compile")
+def test_compile_fullgraph_equals_eager():
+    torch._dynamo.reset()
+
+    def f(w, scale):
+        return kp_sparsity.pack_2_4(w * 1, column_scale=scale), kp_sparsity.mask_2_4(w, column_scale=scale)
+
+    compiled = torch.compile(f, fullgraph=True)
+    w = kc.make_input((64, 128), torch.bfloat16, DEVICE, "contiguous", seed=4)
+    scale = torch.rand(128, device=DEVICE)
+    results = [run(fn, w, scale) for fn in (f, compiled)]
+    ((va, ma), ka), ((vb, mb), kb) = results
+    assert torch.equal(va, vb) and torch.equal(ma, mb) and torch.equal(ka, kb)
+
+
+def test_reference_is_independent():
+    """The reference selects by sorting, not through kp; on a group it must keep what a reader expects."""
+    w = torch.tensor([[1.0, -3.0, 3.0, 0.5, 2.0, 2.0, 2.0, 2.0, float("nan"), 0.0, 9.0, 1.0]])
+    assert ref_mask(w).tolist() == [[False, True, True, False, True, True, False, False, True, False, True, False]]

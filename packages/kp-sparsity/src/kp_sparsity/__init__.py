@@ -1,0 +1,6 @@
+"""kp-sparsity: 2:4 structured sparsity for PyTorch (masks, pruning and packing so far)."""
+
+from kp_sparsity.functional import mask_2_4, pack_2_4, prune_2_4, to_sparse_2_4, unpack_2_4
+
+__all__ = ["mask_2_4", "pack_2_4", "prune_2_4", "to_sparse_2_4", "unpack_2_4"]
+__version__ = "0.1.0"

@@ -1,0 +1,76 @@
+"""kp-sparsity's functions: 2:4 masks, pruning and packing of (out_features, in_features) weights."""
+
+import torch
+
+import kp_core
+from kp_sparsity.ops import prune as prune_op
+
+OP = prune_op.OP
+
+
+def _check(weight, column_scale, packed: bool):
+    kp_core.check_tensor(OP, "weight", weight, dtypes=prune_op.PACK_DTYPES if packed else prune_op.DTYPES, ndim=2)
+    m, k = weight.shape
+    if k % 4:
+        raise ValueError(f"{OP}: weight's last dimension (in_features) must be a multiple of 4, got {k}")
+    if packed and (m % 32 or k % 64):
+        raise ValueError(
+            f"{OP}: packing for CUTLASS needs weight of shape (a multiple of 32, a multiple of 64), got {(m, k)}"
+        )
+    if column_scale is not None:
+        kp_core.check_tensor(OP, "column_scale", column_scale, dtypes=(torch.float32,), device=weight.device, ndim=1)
+        kp_core.check_shape(OP, "column_scale", column_scale, (k,))
+        column_scale = column_scale.contiguous()
+    return column_scale
+
+
+def mask_2_4(weight: torch.Tensor, *, column_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The 2:4 keep mask of weight (M, K) along K: per group of 4, the 2 largest |w| (times column_scale[k] when
+    given: Wanda's |w| * ||x_k||), ties to the lower index, NaN kept. Bool, weight's shape."""
+    column_scale = _check(weight, column_scale, packed=False)
+    return prune_op.PRUNE(weight, column_scale, True, False, False)[0]
+
+
+def prune_2_4(weight: torch.Tensor, *, column_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """weight with the entries mask_2_4 drops set to 0 (a new tensor; weight is not changed)."""
+    column_scale = _check(weight, column_scale, packed=False)
+    return prune_op.PRUNE(weight, column_scale, False, True, False)[1]
+
+
+def pack_2_4(weight: torch.Tensor, *, column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight pruned to 2:4 and packed in one pass, for CUTLASS's sparse GEMM: (values (M, K / 2) in weight's
+    dtype, meta (M, K / 16) int16 in CUTLASS's reordered layout), what torch's SparseSemiStructuredTensorCUTLASS
+    holds. fp16 / bf16, M a multiple of 32, K of 64."""
+    column_scale = _check(weight, column_scale, packed=True)
+    _, _, values, meta = prune_op.PRUNE(weight, column_scale, False, False, True)
+    return values, meta
+
+
+def unpack_2_4(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """The dense (M, K) weight that (values, meta) hold, zeros elsewhere (PyTorch's own CUTLASS conversion)."""
+    from torch.sparse._semi_structured_conversions import sparse_semi_structured_to_dense_cutlass
+
+    kp_core.check_tensor(OP, "values", values, dtypes=prune_op.PACK_DTYPES, ndim=2)
+    kp_core.check_tensor(OP, "meta", meta, dtypes=(torch.int16,), device=values.device, ndim=2)
+    kp_core.check_shape(OP, "meta", meta, (values.shape[0], values.shape[1] // 8))
+    return sparse_semi_structured_to_dense_cutlass(values, meta)
+
+
+def to_sparse_2_4(weight: torch.Tensor, *, column_scale: torch.Tensor | None = None, backend: str | None = None):
+    """weight pruned to 2:4 by kp as one of torch's semi-structured sparse tensors, for F.linear / torch.mm on a GPU
+    with sparse tensor cores. backend "cutlass": kp also packs it (one pass) into SparseSemiStructuredTensorCUTLASS,
+    whose matmul torch runs on sm80 only; "cusparselt": cuSPARSELt compresses kp's pruned weight into its own
+    format (SparseSemiStructuredTensorCUSPARSELT, sm80 and sm90). None: as torch's to_sparse_semi_structured picks,
+    cuSPARSELt where torch was built with it."""
+    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
+
+    if backend is None:
+        backend = "cusparselt" if torch.backends.cusparselt.is_available() else "cutlass"
+    if backend not in ("cutlass", "cusparselt"):
+        raise ValueError(f"{OP}: backend must be 'cutlass', 'cusparselt' or None, got {backend!r}")
+    if backend == "cutlass":
+        values, meta = pack_2_4(weight, column_scale=column_scale)
+        return SparseSemiStructuredTensorCUTLASS(weight.shape, values, meta, None, None, None, requires_grad=False)
+    column_scale = _check(weight, column_scale, packed=True)
+    pruned = prune_op.PRUNE(weight, column_scale, False, True, False)[1]
+    return SparseSemiStructuredTensorCUSPARSELT.from_dense(pruned)

@@ -1,0 +1,122 @@
+"""2:4 pruning and packing: launcher, the PyTorch reference path and the op declaration.
+
+The weight is (M, K), K the reduction dimension (nn.Linear's (out_features, in_features)). Per group of 4
+consecutive entries along K, the 2 with the largest score are kept: score = |w|, or |w| * column_scale[k]
+(Wanda: column_scale the input activations' L2 norm per input feature), computed in float32. Ties go to the lower
+index; a NaN weight scores above every number (it is kept, so it shows). Outputs, as asked:
+- mask: bool (M, K), True where kept;
+- pruned: the weight with the others set to 0;
+- values (M, K / 2) and meta (M, K / 16) int16: the packed form CUTLASS's sparse GEMM reads (torch's
+  SparseSemiStructuredTensorCUTLASS): each group's 2 kept values in index order, and its two indices in 4 bits
+  (first | second << 2), 4 groups per int16, scattered into CUTLASS's interleaved column-major metadata layout.
+  Packing needs M % 32 == 0 and K % 64 == 0 (CUTLASS's tile) and a 16-bit weight.
+Kernels: kp_sparsity.ops.prune_kernels.
+"""
+
+import torch
+
+import kp_core
+
+if kp_core.has_triton():
+    from kp_sparsity.ops import prune_kernels as kernels
+
+OP = "kp::prune_2_4"
+PACKAGE = "kp-sparsity"
+SPEC = "sparsity"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PACK_DTYPES = (torch.float16, torch.bfloat16)
+# (BLOCK_M, BLOCK_K, num_warps) of a program on a GPU: the best of benchmarks/bench_sparsity.py --tune on an H100
+# (bf16, 4096^2, 14336x4096, 8192^2; 16-128 x 64-512, 2-8 warps); a smaller tile under the interpreter so tests
+# cross tiles
+TILE = (64, 128, 8)
+INTERPRET_TILE = (32, 64, 4)
+
+
+def scores(weight: torch.Tensor, column_scale: torch.Tensor | None) -> torch.Tensor:
+    """The float32 score of each entry (NaN as +inf), as the kernel computes it."""
+    s = weight.float().abs()
+    if column_scale is not None:
+        s = s * column_scale.float()
+    return torch.where(s.isnan(), torch.full_like(s, float("inf")), s)
+
+
+def reference_mask(weight: torch.Tensor, column_scale: torch.Tensor | None) -> torch.Tensor:
+    """The keep mask in plain PyTorch: an entry is kept when fewer than 2 of its group beat it (a larger score,
+    or an equal one at a lower index)."""
+    s = scores(weight, column_scale).view(*weight.shape[:-1], -1, 4)
+    a, b = s[..., :, None], s[..., None, :]  # a: the entry i, b: the others j
+    idx = torch.arange(4, device=weight.device)
+    beats = (b > a) | ((b == a) & (idx[None, :] < idx[:, None]))
+    return (beats.sum(-1) < 2).view(weight.shape)
+
+
+def forward(
+    weight: torch.Tensor, column_scale: torch.Tensor | None, want_mask: bool, want_dense: bool, want_packed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask, pruned, values, meta); None for an output not asked for (the module docstring)."""
+    m, k = weight.shape
+    dev = weight.device
+    mask = torch.empty((m, k), dtype=torch.bool, device=dev) if want_mask else None
+    pruned = torch.empty((m, k), dtype=weight.dtype, device=dev) if want_dense else None
+    values = torch.empty((m, k // 2), dtype=weight.dtype, device=dev) if want_packed else None
+    meta = torch.empty((m, k // 16), dtype=torch.int16, device=dev) if want_packed else None
+    if weight.numel() == 0:
+        return mask, pruned, values, meta
+    backend = kp_core.choose_backend(OP, weight)
+    if backend == kp_core.REFERENCE:
+        kp_core.reference(OP)
+        keep = reference_mask(weight, column_scale)
+        if want_mask:
+            mask.copy_(keep)
+        if want_dense:
+            pruned.copy_(torch.where(keep, weight, torch.zeros_like(weight)))
+        if want_packed:
+            from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass
+
+            v, mt = sparse_semi_structured_from_dense_cutlass(torch.where(keep, weight, torch.zeros_like(weight)))
+            values.copy_(v)
+            meta.copy_(mt)
+        return mask, pruned, values, meta
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    if backend == kp_core.INTERPRET:
+        bm, bk, warps = INTERPRET_TILE
+    else:
+        t = kp_core.settings("_prune_2_4", block_m=TILE[0], block_k=TILE[1], num_warps=TILE[2])
+        bm, bk, warps = t["block_m"], t["block_k"], t["num_warps"]
+    grid = -(-m // bm) * -(-k // bk)
+    kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
+    dummy = weight  # stands for an output the call does not write (its constexpr switch is off)
+    args = (
+        weight,
+        weight.stride(0),
+        column_scale if column_scale is not None else dummy,
+        mask.view(torch.int8) if want_mask else dummy,
+        pruned if want_dense else dummy,
+        values if want_packed else dummy,
+        meta if want_packed else dummy,
+        m,
+        k,
+    )
+    consts = dict(
+        HAS_SCALE=column_scale is not None,
+        WRITE_MASK=want_mask,
+        WRITE_DENSE=want_dense,
+        WRITE_PACKED=want_packed,
+        BLOCK_M=bm,
+        BLOCK_K=bk,
+    )
+    kp_core.launch(OP, backend, kernels._prune_2_4, (grid,), args, consts, warps)
+    return mask, pruned, values, meta
+
+
+def _fake(weight, column_scale, want_mask, want_dense, want_packed):
+    m, k = weight.shape
+    return (
+        weight.new_empty((m, k), dtype=torch.bool) if want_mask else None,
+        weight.new_empty((m, k)) if want_dense else None,
+        weight.new_empty((m, k // 2)) if want_packed else None,
+        weight.new_empty((m, k // 16), dtype=torch.int16) if want_packed else None,
+    )
+
+
+PRUNE = kp_core.op(OP, forward, _fake, package=PACKAGE, spec=SPEC, dtypes=DTYPES)

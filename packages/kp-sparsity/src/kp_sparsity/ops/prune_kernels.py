@@ -1,0 +1,98 @@
+"""Triton kernel of 2:4 pruning and packing (the selection rule is in kp_sparsity.ops.prune's docstring).
+
+One program takes a BLOCK_M x BLOCK_K tile of the (M, K) weight: per group of 4 along K it ranks the 4 scores,
+keeps the 2 best, and writes what the call asks for: the keep mask, the pruned dense tile, and the packed form
+CUTLASS's sparse GEMM reads (the 2 kept values of each group in index order, and 4 bits of metadata per group,
+16 bits per 4 groups, scattered into CUTLASS's interleaved column-major metadata layout).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split4(t):
+    """The 4 entries of each group of a (BM, BK) tile as 4 (BM, BK / 4) tensors."""
+    pairs = tl.reshape(t, (t.shape[0], t.shape[1] // 4, 2, 2))
+    even, odd = tl.split(pairs)  # [..., p, 0] and [..., p, 1]: entries (0, 2) and (1, 3)
+    t0, t2 = tl.split(even)
+    t1, t3 = tl.split(odd)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _meta_offsets(rows, cols, M):
+    """Where metadata element (row, col) of the (M, K / 16) int16 matrix goes in CUTLASS's layout: rows reordered
+    in groups of 32 (4-way interweave), 2 x 2 blocks swizzled, then interleaved column-major by pairs of columns
+    (torch.sparse._semi_structured_conversions' scatter offsets, as a formula)."""
+    r = rows[:, None] // 32 * 32 + (rows[:, None] % 8) * 4 + (rows[:, None] % 32) // 8
+    c = cols[None, :] + r * 0
+    top_right = ((r % 2) == 0) & ((c % 2) == 1)
+    bottom_left = ((r % 2) == 1) & ((c % 2) == 0)
+    shift = top_right.to(tl.int32) - bottom_left.to(tl.int32)
+    r = r + shift
+    c = c - shift
+    return (c // 2).to(tl.int64) * M * 2 + r * 2 + c % 2
+
+
+@triton.jit
+def _prune_2_4(
+    W,
+    stride_w,
+    SCALE,
+    MASK,
+    OUT,
+    VALUES,
+    META,
+    M,
+    K,
+    HAS_SCALE: tl.constexpr,
+    WRITE_MASK: tl.constexpr,
+    WRITE_DENSE: tl.constexpr,
+    WRITE_PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (rm < M)[:, None] & (rk < K)[None, :]
+    w = tl.load(W + rm.to(tl.int64)[:, None] * stride_w + rk[None, :], mask=inside, other=0.0)
+    score = tl.abs(w.to(tl.float32))
+    if HAS_SCALE:  # Wanda: |w| times the input column's activation norm
+        score = score * tl.load(SCALE + rk, mask=rk < K, other=0.0)[None, :]
+    score = tl.where(score != score, float("inf"), score)  # NaN ranks as the largest: it is kept, not hidden
+    s0, s1, s2, s3 = _split4(score)
+    # rank = how many of the group beat this entry: a larger score, or an equal one at a lower index
+    keep0 = ((s1 > s0).to(tl.int32) + (s2 > s0).to(tl.int32) + (s3 > s0).to(tl.int32)) < 2
+    keep1 = ((s0 >= s1).to(tl.int32) + (s2 > s1).to(tl.int32) + (s3 > s1).to(tl.int32)) < 2
+    keep2 = ((s0 >= s2).to(tl.int32) + (s1 >= s2).to(tl.int32) + (s3 > s2).to(tl.int32)) < 2
+    keep3 = ((s0 >= s3).to(tl.int32) + (s1 >= s3).to(tl.int32) + (s2 >= s3).to(tl.int32)) < 2
+    k0, k1, k2, k3 = keep0.to(tl.int8), keep1.to(tl.int8), keep2.to(tl.int8), keep3.to(tl.int8)
+    keep = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (BLOCK_M, BLOCK_K)) != 0
+    offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
+    if WRITE_MASK:
+        tl.store(MASK + offs, keep.to(tl.int8), mask=inside)
+    if WRITE_DENSE:
+        tl.store(OUT + offs, tl.where(keep, w, tl.zeros_like(w)), mask=inside)
+    if WRITE_PACKED:
+        w0, w1, w2, w3 = _split4(w)
+        # the first kept index is 0, 1 or else 2; the second is 3, 2 or else 1
+        first = tl.where(keep0, 0, tl.where(keep1, 1, 2))
+        second = tl.where(keep3, 3, tl.where(keep2, 2, 1))
+        v0 = tl.where(first == 0, w0, tl.where(first == 1, w1, w2))
+        v1 = tl.where(second == 3, w3, tl.where(second == 2, w2, w1))
+        values = tl.reshape(tl.join(v0, v1), (BLOCK_M, BLOCK_K // 2))
+        rv = (tl.program_id(0) % tiles_k) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        tl.store(
+            VALUES + rm.to(tl.int64)[:, None] * (K // 2) + rv[None, :],
+            values,
+            mask=(rm < M)[:, None] & (rv < K // 2)[None, :],
+        )
+        nibble = first | (second << 2)  # (BM, BK / 4): 4 bits per group
+        quads = tl.reshape(nibble, (BLOCK_M, BLOCK_K // 16, 4))
+        shifts = 4 * tl.arange(0, 4)
+        meta = tl.sum(quads << shifts[None, None, :], axis=2)  # disjoint bit fields: the sum is their OR
+        meta = (meta - ((meta >> 15) & 1) * 65536).to(tl.int16)  # the low 16 bits as a signed int16
+        rc = (tl.program_id(0) % tiles_k) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        tl.store(META + _meta_offsets(rm, rc, M), meta, mask=(rm < M)[:, None] & (rc < K // 16)[None, :])
