@@ -10,6 +10,7 @@ the weight read (2 bytes an entry) and the packed values (1) and metadata (1/8) 
   (sparse_semi_structured_from_dense_cutlass, what to_sparse_semi_structured runs for CUTLASS);
 - torch._sparse_semi_structured_tile: PyTorch's fused prune + pack kernel (it also packs the transpose, so it
   writes twice the output: its GB/s count the same bytes as kp's, and it is the anchor to beat).
+Then F.linear at Llama MLP shapes, dense bf16 against kp's 2:4 weight, and the router's choice there.
 Times are CUDA-graph replays (GPU time only), median.
 """
 
@@ -57,8 +58,54 @@ def main() -> None:
             gbps = nbytes / ms / 1e6
             rows.append(dict(shape=f"{m}x{k}", provider=name, ms=ms, gbps=gbps, pct_copy=100 * gbps / copy))
             print(f"{m}x{k:<6} {name:36s} {ms * 1e3:8.1f} us {gbps:7.0f} GB/s ({100 * gbps / copy:5.1f} %)", flush=True)
+    rows += linear_rows()
     meta = {"kernel": "sparsity", "op": "pack_2_4", "dtype": "bfloat16", "copy_gbps": copy}
     harness.publish("sparsity", meta, rows, render, plot)
+
+
+LINEAR = [(8192, 8192, 8192), (8192, 11008, 4096), (8192, 4096, 11008), (8192, 14336, 4096), (8192, 4096, 14336)]
+
+
+def linear_rows() -> list[dict]:
+    """F.linear at Llama MLP shapes (tokens M, out N, in K): dense bf16 against kp's 2:4 weight (kp prunes,
+    cuSPARSELt or CUTLASS multiplies, as to_sparse_2_4 picks), and what sparsify's router decides."""
+    import torch.nn.functional as F
+
+    rows = []
+    for m, n, k in LINEAR:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        pruned, sparse = kp_sparsity.prune_2_4(w), kp_sparsity.to_sparse_2_4(w)
+        try:
+            timing = "graph"
+            dense_ms = harness.bench_graph_ms(lambda x=x, p=pruned: F.linear(x, p))
+            sparse_ms = harness.bench_graph_ms(lambda x=x, s=sparse: F.linear(x, s))
+        except Exception as err:  # a 2:4 matmul that cannot be captured: both timed with plain launches
+            print(f"linear {m}x{n}x{k}: CUDA-graph timing failed ({type(err).__name__}); plain launches", flush=True)
+            timing = "eager"
+            dense_ms = harness.bench_ms(lambda x=x, p=pruned: F.linear(x, p))
+            sparse_ms = harness.bench_ms(lambda x=x, s=sparse: F.linear(x, s))
+        dense_ms_r, sparse_ms_r = kp_sparsity.linear.measure(n, k, torch.bfloat16, m, x.device)
+        tflops = 2 * m * n * k / 1e9
+        row = dict(
+            shape=f"{m}x{n}x{k}",
+            dense_ms=dense_ms,
+            sparse_ms=sparse_ms,
+            speedup=dense_ms / sparse_ms,
+            dense_tflops=tflops / dense_ms,
+            router="sparse" if sparse_ms_r < dense_ms_r else "dense",
+            router_ms=(dense_ms_r, sparse_ms_r),
+            backend=type(sparse).__name__,
+            timing=timing,
+        )
+        rows.append(row)
+        print(
+            f"linear {row['shape']:18s} dense {dense_ms * 1e3:7.1f} us, 2:4 {sparse_ms * 1e3:7.1f} us: "
+            f"{row['speedup']:.2f}x; router: {row['router']} (measured {dense_ms_r:.3f} / {sparse_ms_r:.3f} ms) "
+            f"({row['backend']})",
+            flush=True,
+        )
+    return rows
 
 
 def tune() -> None:
@@ -89,17 +136,33 @@ def render(meta: dict, rows: list[dict]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
+        if "speedup" in r:
+            continue
         if "failed" in r:
             lines.append(f"| {r['shape']} | {r['provider']} | failed: {r['failed']} | | |")
         else:
             lines.append(
                 f"| {r['shape']} | {r['provider']} | {r['ms'] * 1e3:.1f} | {r['gbps']:.0f} | {r['pct_copy']:.1f} |"
             )
+    lines += [
+        "",
+        "## F.linear, dense bf16 against kp's 2:4 weight (tokens x out x in), CUDA-graph replay",
+        "",
+        "| shape | dense us | dense TFLOP/s | 2:4 us | speed-up | router (sparsify, auto) | 2:4 backend | timing |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "speedup" in r:
+            lines.append(
+                f"| {r['shape']} | {r['dense_ms'] * 1e3:.1f} | {r['dense_tflops']:.0f} | {r['sparse_ms'] * 1e3:.1f} | "
+                f"{r['speedup']:.2f}x | {r['router']} | {r['backend']} | {r['timing']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], meta: dict, path) -> None:
-    harness.plot_grouped(rows, path, "shape", "gbps", "GB/s", f"2:4 prune + pack, bf16, {meta['device']}")
+    pack = [r for r in rows if "speedup" not in r]
+    harness.plot_grouped(pack, path, "shape", "gbps", "GB/s", f"2:4 prune + pack, bf16, {meta['device']}")
 
 
 if __name__ == "__main__":

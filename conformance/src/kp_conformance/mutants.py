@@ -43,6 +43,7 @@ TESTS = {
         "conformance/specs/test_fake_quantize.py",
         "conformance/specs/test_linear_activation.py",
     ],
+    "kp-sparsity": ["conformance/specs/test_sparsity.py"],
 }
 ARITH = {"+": ["-", "*"], "-": ["+"], "*": ["/"], "/": ["*"], "//": ["%"], "%": ["//"]}
 ARITH.update({f"{k}=": [f"{r}=" for r in v] for k, v in ARITH.items()})  # augmented: total += x

@@ -1,6 +1,7 @@
-"""kp-sparsity: 2:4 structured sparsity for PyTorch (masks, pruning and packing so far)."""
+"""kp-sparsity: 2:4 structured sparsity for PyTorch: masks, pruning, packing, sparse linears and a router."""
 
 from kp_sparsity.functional import mask_2_4, pack_2_4, prune_2_4, to_sparse_2_4, unpack_2_4
+from kp_sparsity.linear import Decision, SparseLinear, sparsify
 
-__all__ = ["mask_2_4", "pack_2_4", "prune_2_4", "to_sparse_2_4", "unpack_2_4"]
+__all__ = ["Decision", "SparseLinear", "mask_2_4", "pack_2_4", "prune_2_4", "sparsify", "to_sparse_2_4", "unpack_2_4"]
 __version__ = "0.1.0"

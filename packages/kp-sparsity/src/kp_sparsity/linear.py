@@ -1,0 +1,177 @@
+"""SparseLinear and sparsify(): nn.Linear layers with 2:4 weights, and a router that keeps a layer dense where
+the 2:4 matmul is not faster on this GPU at the model's token count.
+
+Every selected layer's weight is pruned to 2:4 (magnitude, or Wanda from calibration activations), so the
+model's numbers are the pruned model's whichever way a layer runs; the router only picks the kernel: torch's
+semi-structured sparse matmul (cuSPARSELt or CUTLASS) or the dense one on the pruned weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kp_sparsity import functional
+
+SPARSE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class SparseLinear(nn.Module):
+    """y = x W^T + b with W a 2:4 semi-structured sparse weight (torch's subclass), inference only."""
+
+    def __init__(self, weight, bias: torch.Tensor | None, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, column_scale: torch.Tensor | None = None, backend: str | None = None):
+        """linear's weight pruned to 2:4 (magnitude, or Wanda with column_scale) and packed by kp."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"SparseLinear.from_dense: linear must be an nn.Linear, got {type(linear).__name__}")
+        weight = functional.to_sparse_2_4(linear.weight.detach(), column_scale=column_scale, backend=backend)
+        return cls(weight, linear.bias, linear.in_features, linear.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, 2:4"
+
+
+@dataclasses.dataclass
+class Decision:
+    name: str
+    shape: tuple[int, int]
+    route: str  # "sparse" or "dense"
+    dense_ms: float | None = None
+    sparse_ms: float | None = None
+    why: str = ""
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    """GPU time of fn in ms: reps calls back to back between two CUDA events (as a model's layers run: the host
+    queues ahead), after warmup (cuSPARSELt picks its algorithm on the first calls)."""
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+_MEASURED: dict = {}
+
+
+def measure(out_features: int, in_features: int, dtype: torch.dtype, tokens: int, device) -> tuple[float, float]:
+    """(dense ms, 2:4 sparse ms) of F.linear for a (tokens, in_features) input on `device`, measured once per
+    shape, dtype, token count and GPU in this process."""
+    key = (out_features, in_features, dtype, tokens, torch.cuda.get_device_name(device))
+    if key not in _MEASURED:
+        g = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(out_features, in_features, device=device, dtype=dtype, generator=g)
+        x = torch.randn(tokens, in_features, device=device, dtype=dtype, generator=g)
+        sparse = functional.to_sparse_2_4(w)
+        pruned = functional.prune_2_4(w)
+        _MEASURED[key] = (_time_ms(lambda: F.linear(x, pruned)), _time_ms(lambda: F.linear(x, sparse)))
+    return _MEASURED[key]
+
+
+def _eligible(m: nn.Linear, matmul: bool) -> str:
+    """Why a layer cannot take a 2:4 weight ('' when it can); matmul: it must also run the 2:4 matmul."""
+    w = m.weight
+    if w.dtype not in (SPARSE_DTYPES if matmul else functional.prune_op.DTYPES):
+        return f"dtype {w.dtype} (2:4 matmuls take fp16 / bf16)"
+    if matmul and not w.is_cuda:
+        return "not on a CUDA device"
+    if w.shape[1] % 4 or (matmul and (w.shape[0] % 32 or w.shape[1] % 64)):
+        return f"shape {tuple(w.shape)} (out_features a multiple of 32, in_features of 64)"
+    return ""
+
+
+def calibrate(model: nn.Module, calibration, names) -> dict[str, torch.Tensor]:
+    """Wanda's column scales: per named layer, the L2 norm over every calibration token of each input feature."""
+    sums: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name in names:
+        layer = model.get_submodule(name)
+
+        def hook(_m, args, name=name):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            sums[name] = sums.get(name, 0) + x.square().sum(0)
+
+        hooks.append(layer.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            for batch in calibration:
+                model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = [n for n in names if n not in sums]
+    if missing:
+        raise ValueError(f"sparsify: the calibration batches never reached {missing[:3]}")
+    return {n: s.sqrt() for n, s in sums.items()}
+
+
+def sparsify(
+    model: nn.Module,
+    *,
+    module_filter_fn=None,
+    method: str = "magnitude",
+    calibration=None,
+    route: str = "auto",
+    tokens: int = 4096,
+    backend: str | None = None,
+) -> list[Decision]:
+    """Prune model's nn.Linear layers to 2:4 in place and run each through the faster kernel.
+
+    module_filter_fn(module, fqn) -> bool picks layers (default: every eligible nn.Linear: fp16 / bf16 on a GPU,
+    out_features % 32 == 0, in_features % 64 == 0; with route "dense", any float dtype and device with
+    in_features % 4 == 0). method "magnitude" or "wanda" (needs calibration: an
+    iterable of model inputs, a tensor or a tuple of positional arguments per batch). route "auto" measures
+    dense and 2:4 F.linear at `tokens` rows per distinct layer shape and keeps dense where 2:4 is not faster;
+    "sparse" / "dense" force one. Returns one Decision per layer considered (why a layer was skipped, or which
+    kernel it got and the times measured)."""
+    if method not in ("magnitude", "wanda"):
+        raise ValueError(f"sparsify: method must be 'magnitude' or 'wanda', got {method!r}")
+    if route not in ("auto", "sparse", "dense"):
+        raise ValueError(f"sparsify: route must be 'auto', 'sparse' or 'dense', got {route!r}")
+    if method == "wanda" and calibration is None:
+        raise ValueError("sparsify: method='wanda' needs calibration (model inputs whose activations weigh |w|)")
+    decisions, chosen = [], []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or (module_filter_fn is not None and not module_filter_fn(m, name)):
+            continue
+        why = "the root module (sparsify its parent)" if not name else _eligible(m, matmul=route != "dense")
+        if why:
+            decisions.append(Decision(name, tuple(m.weight.shape), "unchanged", why=why))
+        else:
+            chosen.append(name)
+    scales = calibrate(model, calibration, chosen) if method == "wanda" else {}
+    for name in chosen:
+        layer = model.get_submodule(name)
+        out_f, in_f = layer.weight.shape
+        d = Decision(name, (out_f, in_f), route)
+        if route == "auto":
+            d.dense_ms, d.sparse_ms = measure(out_f, in_f, layer.weight.dtype, tokens, layer.weight.device)
+            d.route = "sparse" if d.sparse_ms < d.dense_ms else "dense"
+            d.why = f"measured at {tokens} tokens"
+        scale = scales.get(name)
+        if d.route == "sparse":
+            new = SparseLinear.from_dense(layer, column_scale=scale, backend=backend)
+        else:
+            new = layer
+            with torch.no_grad():
+                layer.weight.copy_(functional.prune_2_4(layer.weight, column_scale=scale))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        decisions.append(d)
+    return decisions
