@@ -19,6 +19,7 @@ from torch.sparse._semi_structured_conversions import (
 import kp_conformance as kc
 import kp_core
 import kp_sparsity
+from kp_conformance.references import block_scores_2_4, blocks_of, transposable_patterns
 from kp_conformance.references import mask_2_4 as ref_mask
 from kp_sparsity.ops import prune as prune_mod
 
@@ -26,18 +27,29 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PACK = (torch.float16, torch.bfloat16)
 DEVICE = kc.device()
 OP = "kp::prune_2_4"
+OP_T = "kp::mask_2_4_transposable"
 
 kc.declare(
     kc.Spec(
         name="sparsity",
-        ops=(OP,),
+        ops=(OP, OP_T),
         reference=(
             "plain PyTorch: per group of 4 along the reduction dim, a stable descending sort of the float32 scores "
             "(|w|, times column_scale for Wanda; NaN as +inf) keeps the first 2; PyTorch's own CUTLASS "
             "semi-structured conversion for the packed form"
         ),
         dtypes=DTYPES,
-        properties=("mask", "prune", "pack", "no_mutation", "zero_size", "bad_input", "opcheck", "compile"),
+        properties=(
+            "mask",
+            "prune",
+            "pack",
+            "transposable",
+            "no_mutation",
+            "zero_size",
+            "bad_input",
+            "opcheck",
+            "compile",
+        ),
     )
 )
 
@@ -73,11 +85,11 @@ def make(c, dtype):
     return w, scale
 
 
-def run(fn, *args, **kw):
+def run(fn, *args, op=OP, **kw):
     """fn's result, with the proof that kp's kernel (not the reference path) ran."""
     with kp_core.record_launches() as rec:
         out = fn(*args, **kw)
-    kc.assert_kernel_ran(rec, OP)
+    kc.assert_kernel_ran(rec, op)
     return out
 
 
@@ -136,6 +148,41 @@ def test_pack_layout_matches_pytorch(dtype):
     assert torch.equal(meta, ref_meta)
 
 
+@st.composite
+def square_blocks(draw):
+    c = draw(weights())
+    rows = 4 * draw(st.integers(1, 20))
+    return {**c, "shape": (rows, c["shape"][1])}
+
+
+@pytest.mark.conformance(kernel="mask_2_4_transposable", prop="transposable")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(c=square_blocks())
+def test_transposable(dtype, c):
+    """Every 4 x 4 block keeps 2 per row and per column; its pattern's float64 score is the best one's up to
+    float32 rounding of the kernel's sums; where the best beats the runner-up by more than that, and on exact
+    ties (the "ties" family without Wanda scales or a NaN sums exactly in float32), the block is the reference's:
+    the first best pattern in the documented order."""
+    w, scale = make(c, dtype)
+    mask = run(kp_sparsity.mask_2_4, w, column_scale=scale, transposable=True, op=OP_T)
+    blocks = blocks_of(mask).view(-1, 4, 4)
+    assert bool((blocks.sum(1) == 2).all()) and bool((blocks.sum(2) == 2).all()), "not 2:4 in both directions"
+    pats = transposable_patterns().to(mask.device)
+    scores = block_scores_2_4(w, scale)  # (blocks, 90) float64
+    ours = (blocks_of(mask).double() @ pats.T.double()).argmax(-1)  # the pattern kp chose (rows are one-hot)
+    assert torch.equal(pats[ours].bool(), blocks_of(mask)), "a block is not one of the 90 patterns"
+    top2 = scores.topk(2, dim=-1).values
+    slack = 1e-6 * scores.abs().max(-1).values  # float32 rounding of 8-term sums, with room
+    chosen = scores.gather(-1, ours[:, None])[:, 0]
+    assert bool((chosen >= top2[:, 0] - slack).all()), "a block's pattern is not the best one"
+    exact = c["family"] == "ties" and not c["wanda"] and not c["nan"]  # sums of multiples of 0.5: exact in fp32
+    clear = (top2[:, 0] - top2[:, 1] > slack) | exact
+    best = scores.argmax(-1)  # the first of equal maxima
+    assert torch.equal(ours[clear], best[clear])
+    pruned = run(kp_sparsity.prune_2_4, w, column_scale=scale, transposable=True, op=OP_T)
+    assert_same("pruned", pruned, torch.where(mask, w, torch.zeros_like(w)))
+
+
 @pytest.mark.conformance(kernel="prune_2_4", prop="zero_size")
 def test_zero_size():
     w = torch.empty(0, 8, device=DEVICE)
@@ -154,6 +201,7 @@ def _w(shape, dtype=torch.float16):
         (lambda: kp_sparsity.mask_2_4(_w((8,))), ValueError, "weight must have 2 dimensions"),
         (lambda: kp_sparsity.mask_2_4(_w((2, 8, 8))), ValueError, "weight must have 2 dimensions"),
         (lambda: kp_sparsity.mask_2_4(_w((8, 6))), ValueError, "multiple of 4"),
+        (lambda: kp_sparsity.mask_2_4(_w((6, 8)), transposable=True), ValueError, "rows a multiple of 4"),
         (lambda: kp_sparsity.mask_2_4(_w((8, 8), torch.int32)), TypeError, "weight must have dtype"),
         (lambda: kp_sparsity.pack_2_4(_w((32, 64), torch.float32)), TypeError, "weight must have dtype"),
         (lambda: kp_sparsity.pack_2_4(_w((16, 64))), ValueError, "multiple of 32"),
@@ -179,6 +227,7 @@ def _w(shape, dtype=torch.float16):
         "1-D",
         "3-D",
         "K not a multiple of 4",
+        "transposable rows",
         "integer weight",
         "fp32 packing",
         "rows for packing",
@@ -201,7 +250,8 @@ def test_opcheck(dtype):
     with kp_core.record_launches() as rec:
         torch.library.opcheck(prune_mod.PRUNE.op, (w, None, True, True, True))
         torch.library.opcheck(prune_mod.PRUNE.op, (w, scale, True, False, False))
-    kc.assert_kernel_ran(rec, OP)
+        torch.library.opcheck(prune_mod.MASK_T.op, (w, scale))
+    kc.assert_kernel_ran(rec, OP, OP_T)
 
 
 @pytest.mark.conformance(kernel="prune_2_4", prop="compile")
@@ -223,3 +273,5 @@ def test_reference_is_independent():
     """The reference selects by sorting, not through kp; on a group it must keep what a reader expects."""
     w = torch.tensor([[1.0, -3.0, 3.0, 0.5, 2.0, 2.0, 2.0, 2.0, float("nan"), 0.0, 9.0, 1.0]])
     assert ref_mask(w).tolist() == [[False, True, True, False, True, True, False, False, True, False, True, False]]
+    pats = transposable_patterns()
+    assert pats.shape == (90, 16) and pats[0].view(4, 4).tolist()[0] == [1, 1, 0, 0]

@@ -324,3 +324,34 @@ def mask_2_4(weight, column_scale=None):
     top = torch.sort(groups, dim=-1, descending=True, stable=True).indices[..., :2]
     keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, top, True)
     return keep.reshape(weight.shape)
+
+
+def transposable_patterns():
+    """The 4 x 4 0/1 blocks with two ones in every row and column (90), found by filtering all 2**16 blocks, in
+    kp's documented order: each row's pair as a base-6 digit ((0,1) < (0,2) < (0,3) < (1,2) < (1,3) < (2,3)),
+    first row most significant."""
+    pair_rank = {(0, 1): 0, (0, 2): 1, (0, 3): 2, (1, 2): 3, (1, 3): 4, (2, 3): 5}
+    found = []
+    for bits in range(1 << 16):
+        block = [[(bits >> (4 * i + j)) & 1 for j in range(4)] for i in range(4)]
+        if all(sum(r) == 2 for r in block) and all(sum(block[i][j] for i in range(4)) == 2 for j in range(4)):
+            key = [pair_rank[tuple(j for j in range(4) if r[j])] for r in block]
+            found.append((key, [float(v) for r in block for v in r]))
+    return torch.tensor([b for _, b in sorted(found)])
+
+
+def block_scores_2_4(weight, column_scale=None):
+    """float64 score of every pattern for every 4 x 4 block: (M / 4 * K / 4, 90), blocks row-major."""
+    s = weight.float().abs()
+    if column_scale is not None:
+        s = s * column_scale.float()
+    s = torch.nan_to_num(s, nan=3.0e38, posinf=3.0e38).clamp(max=3.0e38).double()
+    m, k = weight.shape
+    blocks = s.reshape(m // 4, 4, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    return blocks @ transposable_patterns().to(blocks).T
+
+
+def blocks_of(mask):
+    """A (M, K) mask as (M / 4 * K / 4, 16) blocks, row-major within each block."""
+    m, k = mask.shape
+    return mask.reshape(m // 4, 4, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)

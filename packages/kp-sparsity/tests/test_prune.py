@@ -23,14 +23,23 @@ def weight(m, k, dtype, seed=0):
 def test_kernel_and_reference_path_agree(dtype, monkeypatch):
     w = weight(96, 192, dtype)
     scale = torch.rand(192, device=DEVICE)
+
+    def calls():
+        return [
+            kp_sparsity.mask_2_4(w, column_scale=scale),
+            kp_sparsity.prune_2_4(w),
+            *kp_sparsity.pack_2_4(w),
+            kp_sparsity.mask_2_4(w, column_scale=scale, transposable=True),  # no near ties in these blocks
+        ]
+
     with kp_core.record_launches() as rec:
-        got = [kp_sparsity.mask_2_4(w, column_scale=scale), kp_sparsity.prune_2_4(w), *kp_sparsity.pack_2_4(w)]
-    assert rec.backends(prune_mod.OP) == {KERNEL}
+        got = calls()
+    assert rec.backends(prune_mod.OP) == rec.backends(prune_mod.OP_T) == {KERNEL}
     monkeypatch.setenv("KP_BACKEND", "reference")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with kp_core.record_launches() as rec:
-        want = [kp_sparsity.mask_2_4(w, column_scale=scale), kp_sparsity.prune_2_4(w), *kp_sparsity.pack_2_4(w)]
-    assert rec.backends(prune_mod.OP) == {kp_core.REFERENCE}
+        want = calls()
+    assert rec.backends(prune_mod.OP) == rec.backends(prune_mod.OP_T) == {kp_core.REFERENCE}
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 

@@ -24,15 +24,30 @@ def _check(weight, column_scale, packed: bool):
     return column_scale
 
 
-def mask_2_4(weight: torch.Tensor, *, column_scale: torch.Tensor | None = None) -> torch.Tensor:
+def mask_2_4(
+    weight: torch.Tensor, *, column_scale: torch.Tensor | None = None, transposable: bool = False
+) -> torch.Tensor:
     """The 2:4 keep mask of weight (M, K) along K: per group of 4, the 2 largest |w| (times column_scale[k] when
-    given: Wanda's |w| * ||x_k||), ties to the lower index, NaN kept. Bool, weight's shape."""
+    given: Wanda's |w| * ||x_k||), ties to the lower index, NaN kept. Bool, weight's shape.
+
+    transposable: 2:4 along K and along M at once (the weight and its transpose both 2:4, so the backward's
+    matmul with W^T is sparse too): per 4 x 4 block, of the 90 patterns with 2 kept in every row and column, the
+    one whose scores sum highest (the first in the documented order on a tie). M a multiple of 4 too."""
     column_scale = _check(weight, column_scale, packed=False)
+    if transposable:
+        if weight.shape[0] % 4:
+            raise ValueError(f"{OP}: a transposable mask needs weight's rows a multiple of 4, got {weight.shape[0]}")
+        return prune_op.MASK_T(weight, column_scale)
     return prune_op.PRUNE(weight, column_scale, True, False, False)[0]
 
 
-def prune_2_4(weight: torch.Tensor, *, column_scale: torch.Tensor | None = None) -> torch.Tensor:
+def prune_2_4(
+    weight: torch.Tensor, *, column_scale: torch.Tensor | None = None, transposable: bool = False
+) -> torch.Tensor:
     """weight with the entries mask_2_4 drops set to 0 (a new tensor; weight is not changed)."""
+    if transposable:
+        mask = mask_2_4(weight, column_scale=column_scale, transposable=True)
+        return torch.where(mask, weight, torch.zeros_like(weight))
     column_scale = _check(weight, column_scale, packed=False)
     return prune_op.PRUNE(weight, column_scale, False, True, False)[1]
 

@@ -10,8 +10,16 @@ index; a NaN weight scores above every number (it is kept, so it shows). Outputs
   SparseSemiStructuredTensorCUTLASS): each group's 2 kept values in index order, and its two indices in 4 bits
   (first | second << 2), 4 groups per int16, scattered into CUTLASS's interleaved column-major metadata layout.
   Packing needs M % 32 == 0 and K % 64 == 0 (CUTLASS's tile) and a 16-bit weight.
+The transposable mask (kp::mask_2_4_transposable) keeps 2 of every 4 along K and along M at once: per 4 x 4
+block, of the 90 patterns with 2 ones in every row and column (patterns(), in a fixed order), the one whose
+scores sum highest, the first in that order on a tie. The kernel sums the scores in float32 (one matmul of the
+blocks by the pattern table), so two patterns whose sums differ by less than float32 rounding may go either way;
+exact ties go to the first. NaN and inf score as the largest finite float there.
 Kernels: kp_sparsity.ops.prune_kernels.
 """
+
+import functools
+import itertools
 
 import torch
 
@@ -21,6 +29,7 @@ if kp_core.has_triton():
     from kp_sparsity.ops import prune_kernels as kernels
 
 OP = "kp::prune_2_4"
+OP_T = "kp::mask_2_4_transposable"
 PACKAGE = "kp-sparsity"
 SPEC = "sparsity"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,6 +118,60 @@ def forward(
     return mask, pruned, values, meta
 
 
+# ---- the transposable mask ----
+
+
+@functools.cache
+def patterns() -> torch.Tensor:
+    """The 90 4 x 4 0/1 patterns with 2 ones in every row and every column, flattened row-major, in the order of
+    their rows' pairs ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)) read as base-6 digits, first row first."""
+    pairs = list(itertools.combinations(range(4), 2))
+    rows = []
+    for choice in itertools.product(pairs, repeat=4):
+        block = [[1.0 if j in pair else 0.0 for j in range(4)] for pair in choice]
+        if all(sum(block[i][j] for i in range(4)) == 2 for j in range(4)):
+            rows.append([v for r in block for v in r])
+    return torch.tensor(rows)
+
+
+def _table(device) -> torch.Tensor:
+    """patterns() padded to 128 rows (the kernel's tile), on device, made once per device."""
+    key = str(device)
+    if key not in _TABLES:
+        t = torch.zeros(128, 16)
+        t[: len(patterns())] = patterns()
+        _TABLES[key] = t.to(device)
+    return _TABLES[key]
+
+
+_TABLES: dict = {}
+
+
+def mask_transposable(weight: torch.Tensor, column_scale: torch.Tensor | None) -> torch.Tensor:
+    """The transposable 2:4 mask (module docstring of the kernel): weight (M, K), both multiples of 4."""
+    m, k = weight.shape
+    mask = torch.empty((m, k), dtype=torch.bool, device=weight.device)
+    if weight.numel() == 0:
+        return mask
+    backend = kp_core.choose_backend(OP_T, weight)
+    if backend == kp_core.REFERENCE:
+        kp_core.reference(OP_T)
+        s = scores(weight, column_scale).clamp(max=3.0e38).double()
+        blocks = s.view(m // 4, 4, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+        best = (blocks @ patterns().to(blocks).T).argmax(-1)
+        bits = patterns().to(weight.device)[best].view(m // 4, k // 4, 4, 4).permute(0, 2, 1, 3).reshape(m, k)
+        return mask.copy_(bits != 0)
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    bm, bk = (16, 16) if backend == kp_core.INTERPRET else (32, 64)
+    grid = -(-m // bm) * -(-k // bk)
+    kp_core.check_index_fits(OP_T, "the launch grid (programs)", grid)
+    scale = column_scale if column_scale is not None else weight
+    args = (weight, weight.stride(0), scale, _table(weight.device), mask.view(torch.int8), m, k, len(patterns()))
+    consts = dict(HAS_SCALE=column_scale is not None, BLOCK_M=bm, BLOCK_K=bk)
+    kp_core.launch(OP_T, backend, kernels._mask_2_4_transposable, (grid,), args, consts, 4)
+    return mask
+
+
 def _fake(weight, column_scale, want_mask, want_dense, want_packed):
     m, k = weight.shape
     return (
@@ -120,3 +183,11 @@ def _fake(weight, column_scale, want_mask, want_dense, want_packed):
 
 
 PRUNE = kp_core.op(OP, forward, _fake, package=PACKAGE, spec=SPEC, dtypes=DTYPES)
+MASK_T = kp_core.op(
+    OP_T,
+    mask_transposable,
+    lambda weight, column_scale: weight.new_empty(weight.shape, dtype=torch.bool),
+    package=PACKAGE,
+    spec=SPEC,
+    dtypes=DTYPES,
+)

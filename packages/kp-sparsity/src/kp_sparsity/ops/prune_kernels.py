@@ -96,3 +96,43 @@ def _prune_2_4(
         meta = (meta - ((meta >> 15) & 1) * 65536).to(tl.int16)  # the low 16 bits as a signed int16
         rc = (tl.program_id(0) % tiles_k) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
         tl.store(META + _meta_offsets(rm, rc, M), meta, mask=(rm < M)[:, None] & (rc < K // 16)[None, :])
+
+
+@triton.jit
+def _mask_2_4_transposable(
+    W,
+    stride_w,
+    SCALE,
+    TABLE,
+    MASK,
+    M,
+    K,
+    N_PATTERNS,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The transposable 2:4 mask of a BLOCK_M x BLOCK_K tile: per 4 x 4 block, of the N_PATTERNS 0/1 patterns
+    with 2 ones in every row and column (TABLE: 128 x 16, rows past N_PATTERNS unused), the one whose entries'
+    scores sum highest (the first on a tie), scored for all blocks at once as one float32 matmul."""
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (rm < M)[:, None] & (rk < K)[None, :]
+    w = tl.load(W + rm.to(tl.int64)[:, None] * stride_w + rk[None, :], mask=inside, other=0.0)
+    score = tl.abs(w.to(tl.float32))
+    if HAS_SCALE:
+        score = score * tl.load(SCALE + rk, mask=rk < K, other=0.0)[None, :]
+    # NaN and inf score as the largest finite float: a product with a pattern's 0 must stay 0, not NaN
+    score = tl.where((score != score) | (score > 3.0e38), 3.0e38, score)
+    blocks = tl.permute(tl.reshape(score, (BLOCK_M // 4, 4, BLOCK_K // 4, 4)), (0, 2, 1, 3))
+    blocks = tl.reshape(blocks, (BLOCK_M // 4 * (BLOCK_K // 4), 16))
+    p = tl.arange(0, 128)
+    patterns = tl.load(TABLE + p[None, :] * 16 + tl.arange(0, 16)[:, None])  # (16, 128)
+    sums = tl.dot(blocks, patterns, input_precision="ieee")
+    sums = tl.where((p < N_PATTERNS)[None, :], sums, -float("inf"))
+    best = tl.argmax(sums, axis=1, tie_break_left=True)
+    bits = tl.load(TABLE + best[:, None] * 16 + tl.arange(0, 16)[None, :])  # (blocks, 16)
+    keep = tl.permute(tl.reshape(bits, (BLOCK_M // 4, BLOCK_K // 4, 4, 4)), (0, 2, 1, 3))
+    keep = tl.reshape(keep, (BLOCK_M, BLOCK_K))
+    tl.store(MASK + rm.to(tl.int64)[:, None] * K + rk[None, :], (keep != 0).to(tl.int8), mask=inside)
