@@ -71,11 +71,10 @@ class Graphed:
         self._retired: list = []
         self._warm: dict = {}  # key -> a training step's warmup calls so far
         self._own_pool = False  # a pool given by the caller may hold other callables' graphs
-        self._tensors, self._ptrs, self._params, self._seen = [], [], [], 0
+        self._tensors, self._ptrs, self._params, self._indices, self._seen = [], [], [], [], 0
         if isinstance(fn, torch.nn.Module):
             _watch_registrations()
         self._state = self._module_state()
-        self._indices = list(range(len(self._tensors)))
         self._warned: set = set()
         stats_mod.register(self)
 
@@ -87,10 +86,12 @@ class Graphed:
         if not isinstance(self.fn, torch.nn.Module):
             return None
         self._seen = _REGISTRATIONS[0]
-        named = [*self.fn.named_parameters(), *self.fn.named_buffers()]
+        params = list(self.fn.named_parameters())
+        named = [*params, *self.fn.named_buffers()]
+        self._params = [t for _, t in params]
         self._tensors = [t for _, t in named]
         self._ptrs = [t.data_ptr() for t in self._tensors]
-        self._params = [t for _, t in self.fn.named_parameters()]
+        self._indices = list(range(len(self._tensors)))
         return tuple((n, id(t), t.data_ptr(), tuple(t.shape), t.dtype) for n, t in named)
 
     def _stale(self) -> bool:
@@ -104,7 +105,6 @@ class Graphed:
             elif [t.data_ptr() for t in self._tensors] == self._ptrs:
                 return False
         state = self._module_state()
-        self._indices = list(range(len(self._tensors)))
         if state == self._state:
             return False
         self._state = state
@@ -181,10 +181,7 @@ class Graphed:
                 # step an eager loop would not, and the capture comes at the bucket's call warmup + 1
                 self._warm[key] = self._warm.get(key, 0) + 1
                 self.stats.count_eager("warming up a training step's bucket")  # counted, not warned: expected
-                padded = [
-                    pad_to(x, dims, bucket, p) if isinstance(x, torch.Tensor) else x for x, p in zip(leaves, pads)
-                ]
-                p_args, p_kwargs = unflatten(padded, spec)
+                p_args, p_kwargs = unflatten(self._padded(leaves, pads, bucket), spec)
                 out = []
                 with torch.enable_grad():
                     warm_up(lambda: out.append(self.fn(*p_args, **p_kwargs)), 1)
@@ -234,7 +231,6 @@ class Graphed:
         made = make()
         torch.cuda.synchronize()
         self._retired = []
-        self.stats.captures += 1
         self.stats.captured[bucket] = self.stats.captured.get(bucket, 0) + 1
         self.stats.capture_seconds += time.perf_counter() - start
         self.stats.pool_bytes = max(self.stats.pool_bytes, torch.cuda.memory_allocated() - before)

@@ -9,7 +9,6 @@ import weakref
 @dataclasses.dataclass
 class Stats:
     name: str
-    captures: int = 0
     capture_seconds: float = 0.0
     replays: dict = dataclasses.field(default_factory=dict)  # bucket -> count
     captured: dict = dataclasses.field(default_factory=dict)  # bucket -> captures (per signature; again when stale)
@@ -19,6 +18,10 @@ class Stats:
 
     def count_eager(self, reason: str) -> None:
         self.eager[reason] = self.eager.get(reason, 0) + 1
+
+    @property
+    def captures(self) -> int:
+        return sum(self.captured.values())
 
     @property
     def calls(self) -> int:

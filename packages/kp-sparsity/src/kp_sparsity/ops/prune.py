@@ -75,14 +75,15 @@ def forward(
     if backend == kp_core.REFERENCE:
         kp_core.reference(OP)
         keep = reference_mask(weight, column_scale)
+        kept = torch.where(keep, weight, torch.zeros_like(weight))
         if want_mask:
             mask.copy_(keep)
         if want_dense:
-            pruned.copy_(torch.where(keep, weight, torch.zeros_like(weight)))
+            pruned.copy_(kept)
         if want_packed:
             from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass
 
-            v, mt = sparse_semi_structured_from_dense_cutlass(torch.where(keep, weight, torch.zeros_like(weight)))
+            v, mt = sparse_semi_structured_from_dense_cutlass(kept)
             values.copy_(v)
             meta.copy_(mt)
         return mask, pruned, values, meta
