@@ -68,7 +68,9 @@ LINEAR = [(8192, 8192, 8192), (8192, 11008, 4096), (8192, 4096, 11008), (8192, 1
 
 def linear_rows() -> list[dict]:
     """F.linear at Llama MLP shapes (tokens M, out N, in K): dense bf16 against kp's 2:4 weight (kp prunes,
-    cuSPARSELt or CUTLASS multiplies, as to_sparse_2_4 picks), and what sparsify's router decides."""
+    cuSPARSELt or CUTLASS multiplies, as to_sparse_2_4 picks) with torch's default cuSPARSELt algorithm and with
+    the one sparsify's router picks, and what the router decides; then fp8 (e4m3, per-tensor scales): dense
+    torch._scaled_mm against its 2:4 form on cuSPARSELt."""
     import torch.nn.functional as F
 
     rows = []
@@ -76,36 +78,63 @@ def linear_rows() -> list[dict]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         pruned, sparse = kp_sparsity.prune_2_4(w), kp_sparsity.to_sparse_2_4(w)
+        dense_r, sparse_r, alg = kp_sparsity.linear.measure(n, k, torch.bfloat16, m, x.device)
+        tuned = kp_sparsity.to_sparse_2_4(w)
+        if alg is not None:
+            tuned.alg_id_cusparselt = alg
         try:
             timing = "graph"
-            dense_ms = harness.bench_graph_ms(lambda x=x, p=pruned: F.linear(x, p))
-            sparse_ms = harness.bench_graph_ms(lambda x=x, s=sparse: F.linear(x, s))
-        except Exception as err:  # a 2:4 matmul that cannot be captured: both timed with plain launches
+            dense_ms, sparse_ms, tuned_ms = (
+                harness.bench_graph_ms(lambda x=x, p=p: F.linear(x, p)) for p in (pruned, sparse, tuned)
+            )
+        except Exception as err:  # a 2:4 matmul that cannot be captured: all timed with plain launches
             print(f"linear {m}x{n}x{k}: CUDA-graph timing failed ({type(err).__name__}); plain launches", flush=True)
             timing = "eager"
-            dense_ms = harness.bench_ms(lambda x=x, p=pruned: F.linear(x, p))
-            sparse_ms = harness.bench_ms(lambda x=x, s=sparse: F.linear(x, s))
-        dense_ms_r, sparse_ms_r = kp_sparsity.linear.measure(n, k, torch.bfloat16, m, x.device)
+            dense_ms, sparse_ms, tuned_ms = (
+                harness.bench_ms(lambda x=x, p=p: F.linear(x, p)) for p in (pruned, sparse, tuned)
+            )
         tflops = 2 * m * n * k / 1e9
         row = dict(
             shape=f"{m}x{n}x{k}",
             dense_ms=dense_ms,
             sparse_ms=sparse_ms,
             speedup=dense_ms / sparse_ms,
+            tuned_ms=tuned_ms,
+            tuned_speedup=dense_ms / tuned_ms,
+            alg_id=alg,
             dense_tflops=tflops / dense_ms,
-            router="sparse" if sparse_ms_r < dense_ms_r else "dense",
-            router_ms=(dense_ms_r, sparse_ms_r),
+            router="sparse" if sparse_r < dense_r else "dense",
+            router_ms=(dense_r, sparse_r),
             backend=type(sparse).__name__,
             timing=timing,
+            **fp8_times(pruned, x),
         )
         rows.append(row)
         print(
             f"linear {row['shape']:18s} dense {dense_ms * 1e3:7.1f} us, 2:4 {sparse_ms * 1e3:7.1f} us: "
-            f"{row['speedup']:.2f}x; router: {row['router']} (measured {dense_ms_r:.3f} / {sparse_ms_r:.3f} ms) "
-            f"({row['backend']})",
+            f"{row['speedup']:.2f}x, with alg {alg} {tuned_ms * 1e3:7.1f} us: {row['tuned_speedup']:.2f}x; "
+            f"router: {row['router']} (measured {dense_r:.3f} / {sparse_r:.3f} ms) ({row['backend']}); "
+            f"fp8 dense {row.get('fp8_dense_ms', 0) * 1e3:.1f} us, fp8 2:4 {row.get('fp8_sparse_ms', 0) * 1e3:.1f} us",
             flush=True,
         )
     return rows
+
+
+def fp8_times(pruned, x) -> dict:
+    """ms of x W^T in e4m3 with unit per-tensor scales, dense (torch._scaled_mm) and with W 2:4 on cuSPARSELt
+    (torch's semi-structured _scaled_mm, sparse operand first: (W x^T)^T); plain launches (a failed CUDA-graph
+    capture of the sparse one left the generator in capture mode)."""
+    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT
+
+    f8, one = torch.float8_e4m3fn, torch.ones((), device=x.device)
+    w8, x8 = pruned.to(f8), x.to(f8)
+    try:
+        w8s = SparseSemiStructuredTensorCUSPARSELT.from_dense(w8)
+        dense = harness.bench_ms(lambda: torch._scaled_mm(x8, w8.t(), one, one, out_dtype=torch.bfloat16))
+        sparse = harness.bench_ms(lambda: torch._scaled_mm(w8s, x8.t(), one, one, out_dtype=torch.bfloat16))
+    except Exception as err:
+        return {"fp8_failed": f"{type(err).__name__}: {err}"[:160]}
+    return {"fp8_dense_ms": dense, "fp8_sparse_ms": sparse}
 
 
 def tune() -> None:
@@ -148,14 +177,26 @@ def render(meta: dict, rows: list[dict]) -> str:
         "",
         "## F.linear, dense bf16 against kp's 2:4 weight (tokens x out x in), CUDA-graph replay",
         "",
-        "| shape | dense us | dense TFLOP/s | 2:4 us | speed-up | router (sparsify, auto) | 2:4 backend | timing |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape | dense us | dense TFLOP/s | 2:4 us | speed-up | 2:4 us, router's cuSPARSELt alg | speed-up "
+        "| router (sparsify, auto) | fp8 dense us (eager) | fp8 2:4 us (eager) | fp8 2:4 vs fp8 dense "
+        "| 2:4 backend | timing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "speedup" in r:
+            fp8 = (
+                [
+                    f"{r['fp8_dense_ms'] * 1e3:.1f}",
+                    f"{r['fp8_sparse_ms'] * 1e3:.1f}",
+                    f"{r['fp8_dense_ms'] / r['fp8_sparse_ms']:.2f}x",
+                ]
+                if "fp8_dense_ms" in r
+                else [f"failed: {r.get('fp8_failed', '')}", "", ""]
+            )
             lines.append(
                 f"| {r['shape']} | {r['dense_ms'] * 1e3:.1f} | {r['dense_tflops']:.0f} | {r['sparse_ms'] * 1e3:.1f} | "
-                f"{r['speedup']:.2f}x | {r['router']} | {r['backend']} | {r['timing']} |"
+                f"{r['speedup']:.2f}x | {r['tuned_ms'] * 1e3:.1f} (alg {r['alg_id']}) | {r['tuned_speedup']:.2f}x | "
+                f"{r['router']} | " + " | ".join(fp8) + f" | {r['backend']} | {r['timing']} |"
             )
     return "\n".join(lines) + "\n"
 

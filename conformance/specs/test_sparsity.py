@@ -19,8 +19,15 @@ from torch.sparse._semi_structured_conversions import (
 import kp_conformance as kc
 import kp_core
 import kp_sparsity
-from kp_conformance.references import block_scores_2_4, blocks_of, transposable_patterns
+from kp_conformance.references import (
+    block_scores_2_4,
+    blocks_of,
+    cusparselt_compressed,
+    sparse_training_step,
+    transposable_patterns,
+)
 from kp_conformance.references import mask_2_4 as ref_mask
+from kp_sparsity.ops import cusparselt
 from kp_sparsity.ops import prune as prune_mod
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,11 +35,12 @@ PACK = (torch.float16, torch.bfloat16)
 DEVICE = kc.device()
 OP = "kp::prune_2_4"
 OP_T = "kp::mask_2_4_transposable"
+OP_C = "kp::pack_2_4_cusparselt"
 
 kc.declare(
     kc.Spec(
         name="sparsity",
-        ops=(OP, OP_T),
+        ops=(OP, OP_T, OP_C),
         reference=(
             "plain PyTorch: per group of 4 along the reduction dim, a stable descending sort of the float32 scores "
             "(|w|, times column_scale for Wanda; NaN as +inf) keeps the first 2; PyTorch's own CUTLASS "
@@ -44,6 +52,8 @@ kc.declare(
             "prune",
             "pack",
             "transposable",
+            "training",
+            "pack_cusparselt",
             "no_mutation",
             "zero_size",
             "bad_input",
@@ -181,6 +191,82 @@ def test_transposable(dtype, c):
     assert torch.equal(ours[clear], best[clear])
     pruned = run(kp_sparsity.prune_2_4, w, column_scale=scale, transposable=True, op=OP_T)
     assert_same("pruned", pruned, torch.where(mask, w, torch.zeros_like(w)))
+
+
+@st.composite
+def training_cases(draw, sparse):
+    unit = (64, 64) if sparse else (4, 4)  # (out, in): what the runtime 2:4 packer takes, or the mask's blocks
+    return dict(
+        shape=(
+            unit[0] * draw(st.integers(1, 3 if sparse else 24)),
+            unit[1] * draw(st.integers(1, 3 if sparse else 24)),
+        ),
+        tokens=draw(st.integers(1, 70)),
+        fixed=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@pytest.mark.conformance(kernel="pack_2_4_cusparselt", prop="pack_cusparselt")
+@pytest.mark.parametrize("dtype", PACK, ids=kc.dtype_id)
+@given(shape=st.tuples(st.integers(1, 3), st.integers(1, 3)), seed=st.integers(0, 2**16))
+def test_pack_cusparselt(dtype, shape, seed):
+    """W * mask (a transposable mask) and its transpose in cuSPARSELt's compressed layout, bit for bit: against
+    an entry-by-entry construction of the layout, and on a GPU against torch._cslt_compress itself. Weights have
+    no exact zeros (cuSPARSELt may encode a kept 0 at another index of its group)."""
+    m, k = 64 * shape[0], 64 * shape[1]
+    w = kc.make_input((m, k), dtype, DEVICE, "contiguous", seed=seed)
+    w = torch.where(w == 0, torch.ones_like(w), w)
+    mask = kp_sparsity.mask_2_4(w, transposable=True)
+    packed, packed_t = run(cusparselt.PACK, w, mask, True, op=OP_C)
+    alone, _ = run(cusparselt.PACK, w, mask, False, op=OP_C)
+    bits = lambda t: t.view(torch.int16).cpu()  # noqa: E731
+    assert torch.equal(bits(alone), bits(packed))
+    assert torch.equal(bits(packed), bits(cusparselt_compressed(w, mask)))
+    assert torch.equal(bits(packed_t), bits(cusparselt_compressed(w.t(), mask.t())))
+    if DEVICE.type == "cuda":
+        w_s = torch.where(mask, w, torch.zeros_like(w))
+        assert torch.equal(bits(packed), bits(torch._cslt_compress(w_s)))
+        assert torch.equal(bits(packed_t), bits(torch._cslt_compress(w_s.t().contiguous())))
+
+
+@pytest.mark.conformance(kernel="mask_2_4_transposable", prop="training")
+@pytest.mark.parametrize("route", ["dense", "sparse"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(data=st.data())
+def test_training(dtype, route, data):
+    """SparseTrainingLinear: the mask is kp's transposable 2:4 of the weight (made by the kernel); the output and
+    the gradients of x, W (straight-through with SR-STE decay, or masked for a fixed mask) and b against float64
+    by the 2x rule, PyTorch's masked dense layer in the same dtype the yardstick. route "sparse" packs W_s for
+    sparse tensor cores (fp16 / bf16 on a GPU)."""
+    if route == "sparse" and (DEVICE.type != "cuda" or dtype not in PACK):
+        pytest.skip("not covered: 2:4 sparse tensor cores take fp16 / bf16 on a GPU")
+    c = data.draw(training_cases(route == "sparse"))
+    out_f, in_f = c["shape"]
+    torch.manual_seed(c["seed"])
+    with kp_core.record_launches() as rec:
+        layer = kp_sparsity.SparseTrainingLinear(
+            in_f, out_f, bias=c["bias"], device=DEVICE, dtype=dtype, mask_every=None if c["fixed"] else 1, decay=0.1
+        )
+    kc.assert_kernel_ran(rec, OP_T)
+    assert_same("mask", layer.mask, kp_sparsity.mask_2_4(layer.weight.detach(), transposable=True))
+    layer.route = route
+    x = kc.make_input((c["tokens"], in_f), dtype, DEVICE, "contiguous", seed=c["seed"] + 1).requires_grad_()
+    dy = kc.make_input((c["tokens"], out_f), dtype, DEVICE, "contiguous", seed=c["seed"] + 2)
+    w_before = layer.weight.detach().clone()
+    with kp_core.record_launches() as rec:
+        y = layer(x)
+        y.backward(dy)
+    if route == "sparse":  # W_s and W_s^T packed by kp for cuSPARSELt
+        kc.assert_kernel_ran(rec, OP_C)
+    assert torch.equal(layer.weight.detach(), w_before), "the forward changed the weight"
+    args = (x, w_before, layer.bias, layer.mask, dy, 0.1, c["fixed"])
+    ref, lowp = sparse_training_step(*args), sparse_training_step(*args, dtype=dtype)
+    ours = (y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad)
+    for what, o, r, lp in zip(("y", "dx", "dW", "db"), ours, ref, lowp):
+        if r is not None:
+            kc.check_close(what, o, r, lp, dtype)
 
 
 @pytest.mark.conformance(kernel="prune_2_4", prop="zero_size")

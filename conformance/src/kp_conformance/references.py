@@ -355,3 +355,48 @@ def blocks_of(mask):
     """A (M, K) mask as (M / 4 * K / 4, 16) blocks, row-major within each block."""
     m, k = mask.shape
     return mask.reshape(m // 4, 4, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+
+
+def sparse_training_step(x, weight, bias, mask, dy, decay, fixed, dtype=torch.float64):
+    """2:4 sparse training's forward and gradients in `dtype` (float64: the reference; the layer's own dtype:
+    PyTorch's low-precision computation for the tolerance rule): y = x W_s^T + b with W_s = W * mask;
+    dx = dy W_s; dW = dy^T x straight through, plus decay * W where the mask drops (SR-STE), or masked when the
+    mask is fixed; db = sum of dy. Returns (y, dx, dW, db)."""
+    w_s = torch.where(mask, weight.to(dtype), torch.zeros((), dtype=dtype, device=weight.device)).requires_grad_()
+    x_ = x.detach().to(dtype).requires_grad_()
+    b = None if bias is None else bias.detach().to(dtype)
+    y = torch.nn.functional.linear(x_, w_s, b)
+    y.backward(dy.to(dtype))
+    zero = torch.zeros((), dtype=dtype, device=weight.device)
+    if fixed:
+        dw = torch.where(mask, w_s.grad, zero)
+    else:
+        dw = w_s.grad + decay * torch.where(mask, zero, weight.detach().to(dtype))
+    db = None if bias is None else dy.to(dtype).reshape(-1, dy.shape[-1]).sum(0)
+    return y.detach(), x_.grad, dw, db
+
+
+# cuSPARSELt's metadata nibble order inside a 64-row x 8-group tile: the (row or group, bit) that each bit of a
+# nibble's index holds, low bit first (read off torch._cslt_compress on sm90).
+CUSPARSELT_NIBBLE_BITS = (("r", 3), ("g", 2), ("g", 0), ("g", 1), ("r", 0), ("r", 1), ("r", 2), ("r", 4), ("r", 5))
+
+
+def cusparselt_compressed(weight, mask):
+    """torch._cslt_compress(weight * mask) for a 16-bit (R, C) weight and a mask keeping 2 of every 4 along C,
+    built entry by entry: kept values row-major, then per group the nibble first | second << 2 at its place
+    (tiles of 64 rows x 8 groups, row-tile major; CUSPARSELT_NIBBLE_BITS inside a tile), 4 nibbles a 16-bit word."""
+    rows, cols = weight.shape
+    w, keep = weight.cpu(), mask.cpu()
+    values = torch.stack([w[r][keep[r]] for r in range(rows)])
+    nibbles = [0] * (rows * cols // 4)
+    for r in range(rows):
+        for g in range(cols // 4):
+            kept = [j for j in range(4) if keep[r, 4 * g + j]]
+            tile = (r // 64) * (cols // 32) + g // 8
+            inside = sum(
+                (((r if axis == "r" else g) >> bit) & 1) << i for i, (axis, bit) in enumerate(CUSPARSELT_NIBBLE_BITS)
+            )
+            nibbles[tile * 512 + inside] = kept[0] | (kept[1] << 2)
+    words = [sum(nibbles[4 * i + j] << (4 * j) for j in range(4)) for i in range(len(nibbles) // 4)]
+    meta = torch.tensor([x - 65536 if x >= 32768 else x for x in words], dtype=torch.int16).view(weight.dtype)
+    return torch.cat([values.flatten(), meta]).view(rows, cols // 2 + cols // 16)

@@ -29,11 +29,21 @@ class SparseLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, *, column_scale: torch.Tensor | None = None, backend: str | None = None):
-        """linear's weight pruned to 2:4 (magnitude, or Wanda with column_scale) and packed by kp."""
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        *,
+        column_scale: torch.Tensor | None = None,
+        backend: str | None = None,
+        alg_id: int | None = None,
+    ):
+        """linear's weight pruned to 2:4 (magnitude, or Wanda with column_scale) and packed by kp; alg_id: the
+        cuSPARSELt algorithm to run (None: torch's default)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"SparseLinear.from_dense: linear must be an nn.Linear, got {type(linear).__name__}")
         weight = functional.to_sparse_2_4(linear.weight.detach(), column_scale=column_scale, backend=backend)
+        if alg_id is not None:
+            weight.alg_id_cusparselt = alg_id
         return cls(weight, linear.bias, linear.in_features, linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +61,7 @@ class Decision:
     dense_ms: float | None = None
     sparse_ms: float | None = None
     why: str = ""
+    alg_id: int | None = None  # the cuSPARSELt algorithm the router picked
 
 
 def _time_ms(fn, reps: int = 20) -> float:
@@ -70,29 +81,49 @@ def _time_ms(fn, reps: int = 20) -> float:
 _MEASURED: dict = {}
 
 
-def measure(out_features: int, in_features: int, dtype: torch.dtype, tokens: int, device) -> tuple[float, float]:
-    """(dense ms, 2:4 sparse ms) of F.linear for a (tokens, in_features) input on `device`, measured once per
-    shape, dtype, token count and GPU in this process."""
-    key = (out_features, in_features, dtype, tokens, torch.cuda.get_device_name(device))
+# cuSPARSELt algorithm ids the router tries per shape (the best of them was 0 or 1 at every Llama MLP shape
+# measured on an H200; torch's default is 0)
+ALG_IDS = (0, 1, 2, 3)
+
+
+def measure(
+    out_features: int, in_features: int, dtype: torch.dtype, tokens: int, device, backend: str | None = None
+) -> tuple[float, float, int | None]:
+    """(dense ms, 2:4 sparse ms, cuSPARSELt algorithm id or None) of F.linear for a (tokens, in_features) input on
+    `device`: with cuSPARSELt, the fastest of ALG_IDS. Measured once per shape, dtype, token count, backend and GPU
+    in this process."""
+    key = (out_features, in_features, dtype, tokens, backend, torch.cuda.get_device_name(device))
     if key not in _MEASURED:
         g = torch.Generator(device=device).manual_seed(0)
         w = torch.randn(out_features, in_features, device=device, dtype=dtype, generator=g)
         x = torch.randn(tokens, in_features, device=device, dtype=dtype, generator=g)
-        sparse = functional.to_sparse_2_4(w)
+        sparse = functional.to_sparse_2_4(w, backend=backend)
         pruned = functional.prune_2_4(w)
-        _MEASURED[key] = (_time_ms(lambda: F.linear(x, pruned)), _time_ms(lambda: F.linear(x, sparse)))
+        dense_ms = _time_ms(lambda: F.linear(x, pruned))
+        if isinstance(sparse, torch.sparse.SparseSemiStructuredTensorCUSPARSELT):
+            times = {}
+            for alg in ALG_IDS:
+                sparse.alg_id_cusparselt = alg
+                try:
+                    times[alg] = _time_ms(lambda: F.linear(x, sparse))
+                except RuntimeError:  # an id this cuSPARSELt build or shape does not have
+                    continue
+            alg = min(times, key=times.get)
+            _MEASURED[key] = (dense_ms, times[alg], alg)
+        else:
+            _MEASURED[key] = (dense_ms, _time_ms(lambda: F.linear(x, sparse)), None)
     return _MEASURED[key]
 
 
-def _eligible(m: nn.Linear, matmul: bool) -> str:
-    """Why a layer cannot take a 2:4 weight ('' when it can); matmul: it must also run the 2:4 matmul."""
-    w = m.weight
-    if w.dtype not in (SPARSE_DTYPES if matmul else functional.prune_op.DTYPES):
-        return f"dtype {w.dtype} (2:4 matmuls take fp16 / bf16)"
-    if matmul and not w.is_cuda:
+def _eligible(shape, dtype: torch.dtype, device: torch.device, matmul: bool) -> str:
+    """Why a weight of this shape, dtype and device cannot be 2:4 ('' when it can); matmul: it must also run the
+    2:4 matmul."""
+    if dtype not in (SPARSE_DTYPES if matmul else functional.prune_op.DTYPES):
+        return f"dtype {dtype} (2:4 matmuls take fp16 / bf16)"
+    if matmul and device.type != "cuda":
         return "not on a CUDA device"
-    if w.shape[1] % 4 or (matmul and (w.shape[0] % 32 or w.shape[1] % 64)):
-        return f"shape {tuple(w.shape)} (out_features a multiple of 32, in_features of 64)"
+    if shape[1] % 4 or (matmul and (shape[0] % 32 or shape[1] % 64)):
+        return f"shape {tuple(shape)} (out_features a multiple of 32, in_features of 64)"
     return ""
 
 
@@ -150,7 +181,11 @@ def sparsify(
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or (module_filter_fn is not None and not module_filter_fn(m, name)):
             continue
-        why = "the root module (sparsify its parent)" if not name else _eligible(m, matmul=route != "dense")
+        why = (
+            "the root module (sparsify its parent)"
+            if not name
+            else _eligible(m.weight.shape, m.weight.dtype, m.weight.device, route != "dense")
+        )
         if why:
             decisions.append(Decision(name, tuple(m.weight.shape), "unchanged", why=why))
         else:
@@ -161,12 +196,14 @@ def sparsify(
         out_f, in_f = layer.weight.shape
         d = Decision(name, (out_f, in_f), route)
         if route == "auto":
-            d.dense_ms, d.sparse_ms = measure(out_f, in_f, layer.weight.dtype, tokens, layer.weight.device)
+            d.dense_ms, d.sparse_ms, d.alg_id = measure(
+                out_f, in_f, layer.weight.dtype, tokens, layer.weight.device, backend
+            )
             d.route = "sparse" if d.sparse_ms < d.dense_ms else "dense"
             d.why = f"measured at {tokens} tokens"
         scale = scales.get(name)
         if d.route == "sparse":
-            new = SparseLinear.from_dense(layer, column_scale=scale, backend=backend)
+            new = SparseLinear.from_dense(layer, column_scale=scale, backend=backend, alg_id=d.alg_id)
         else:
             new = layer
             with torch.no_grad():

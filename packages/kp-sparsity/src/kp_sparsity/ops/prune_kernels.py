@@ -111,6 +111,7 @@ def _mask_2_4_transposable(
     HAS_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """The transposable 2:4 mask of a BLOCK_M x BLOCK_K tile: per 4 x 4 block, of the N_PATTERNS 0/1 patterns
     with 2 ones in every row and column (TABLE: 128 x 16, rows past N_PATTERNS unused), the one whose entries'
@@ -129,7 +130,7 @@ def _mask_2_4_transposable(
     blocks = tl.reshape(blocks, (BLOCK_M // 4 * (BLOCK_K // 4), 16))
     p = tl.arange(0, 128)
     patterns = tl.load(TABLE + p[None, :] * 16 + tl.arange(0, 16)[:, None])  # (16, 128)
-    sums = tl.dot(blocks, patterns, input_precision="ieee")
+    sums = tl.dot(blocks, patterns, input_precision=PRECISION)
     sums = tl.where((p < N_PATTERNS)[None, :], sums, -float("inf"))
     best = tl.argmax(sums, axis=1, tie_break_left=True)
     bits = tl.load(TABLE + best[:, None] * 16 + tl.arange(0, 16)[None, :])  # (blocks, 16)
