@@ -11,7 +11,7 @@ position) and the package tests compare kp's packing with it bit for bit.
 import triton
 import triton.language as tl
 
-from kp_sparsity.ops.prune_kernels import _split4
+from kp_sparsity.ops.prune_kernels import _kept_pairs, _split4
 
 
 @triton.jit
@@ -20,17 +20,11 @@ def _store_compressed(w, keep, OUT, META, r0, c0, R, C):
     along C; BR a multiple of 64, BC of 32)."""
     BR: tl.constexpr = w.shape[0]
     BC: tl.constexpr = w.shape[1]
-    w0, w1, w2, w3 = _split4(w)
     k0, k1, k2, k3 = _split4(keep.to(tl.int8))
-    first = tl.where(k0 != 0, 0, tl.where(k1 != 0, 1, 2))
-    second = tl.where(k3 != 0, 3, tl.where(k2 != 0, 2, 1))
-    v0 = tl.where(first == 0, w0, tl.where(first == 1, w1, w2))
-    v1 = tl.where(second == 3, w3, tl.where(second == 2, w2, w1))
-    values = tl.reshape(tl.join(v0, v1), (BR, BC // 2))
+    values, nib = _kept_pairs(w, k0 != 0, k1 != 0, k2 != 0, k3 != 0)  # nib: (BR, BC / 4)
     rr = r0 + tl.arange(0, BR)
     rv = c0 // 2 + tl.arange(0, BC // 2)
     tl.store(OUT + rr.to(tl.int64)[:, None] * (C // 2) + rv[None, :], values)
-    nib = first | (second << 2)  # (BR, BC / 4)
     # a word holds groups (r, g), (r + 8, g), (r, g + 4), (r + 8, g + 4) at bits 0, 4, 8, 12 (r3 = g2 = 0)
     j = tl.arange(0, 2)
     by_g = tl.sum(tl.reshape(nib, (BR, BC // 32, 2, 4)) << (8 * j)[None, None, :, None], axis=2)

@@ -21,6 +21,19 @@ def _split4(t):
 
 
 @triton.jit
+def _kept_pairs(w, keep0, keep1, keep2, keep3):
+    """Each group's 2 kept entries in index order, (BM, BK / 2), and their indices as a nibble, first | second
+    << 2, (BM, BK / 4) int32, for a (BM, BK) tile whose groups keep exactly 2 (keepN: the group's entry N)."""
+    w0, w1, w2, w3 = _split4(w)
+    # the first kept index is 0, 1 or else 2; the second is 3, 2 or else 1
+    first = tl.where(keep0, 0, tl.where(keep1, 1, 2))
+    second = tl.where(keep3, 3, tl.where(keep2, 2, 1))
+    v0 = tl.where(first == 0, w0, tl.where(first == 1, w1, w2))
+    v1 = tl.where(second == 3, w3, tl.where(second == 2, w2, w1))
+    return tl.reshape(tl.join(v0, v1), (w.shape[0], w.shape[1] // 2)), first | (second << 2)
+
+
+@triton.jit
 def _meta_offsets(rows, cols, M):
     """Where metadata element (row, col) of the (M, K / 16) int16 matrix goes in CUTLASS's layout: rows reordered
     in groups of 32 (4-way interweave), 2 x 2 blocks swizzled, then interleaved column-major by pairs of columns
@@ -76,20 +89,13 @@ def _prune_2_4(
     if WRITE_DENSE:
         tl.store(OUT + offs, tl.where(keep, w, tl.zeros_like(w)), mask=inside)
     if WRITE_PACKED:
-        w0, w1, w2, w3 = _split4(w)
-        # the first kept index is 0, 1 or else 2; the second is 3, 2 or else 1
-        first = tl.where(keep0, 0, tl.where(keep1, 1, 2))
-        second = tl.where(keep3, 3, tl.where(keep2, 2, 1))
-        v0 = tl.where(first == 0, w0, tl.where(first == 1, w1, w2))
-        v1 = tl.where(second == 3, w3, tl.where(second == 2, w2, w1))
-        values = tl.reshape(tl.join(v0, v1), (BLOCK_M, BLOCK_K // 2))
+        values, nibble = _kept_pairs(w, keep0, keep1, keep2, keep3)
         rv = (tl.program_id(0) % tiles_k) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         tl.store(
             VALUES + rm.to(tl.int64)[:, None] * (K // 2) + rv[None, :],
             values,
             mask=(rm < M)[:, None] & (rv < K // 2)[None, :],
         )
-        nibble = first | (second << 2)  # (BM, BK / 4): 4 bits per group
         quads = tl.reshape(nibble, (BLOCK_M, BLOCK_K // 16, 4))
         shifts = 4 * tl.arange(0, 4)
         meta = tl.sum(quads << shifts[None, None, :], axis=2)  # disjoint bit fields: the sum is their OR
