@@ -3,7 +3,8 @@ against torchao's 2:4 and kp's; then accuracy of sparse fine-tuning on a small m
 
     python benchmarks/bench_sparsity_model.py    # writes results/<device>/sparsity_model.{json,md,png}
 
-Models in bf16 (weights too: torchao's runtime 2:4 training takes 16-bit weights), 8192 tokens a call.
+Models in bf16 (weights too: torchao's runtime 2:4 training takes 16-bit weights), 8192 tokens a call (the MLP
+block's input (4, 2048, 4096), needing its gradient in training, as inside a model).
 - Inference (no grad), ms a forward: dense; torchao `sparsify_(semi_sparse_weight())` on the magnitude-pruned
   model (cuSPARSELt); kp `sparsify(route="auto")` (kp prunes and packs, the router keeps dense where 2:4 is not
   faster, and picks cuSPARSELt's algorithm per shape). Plain launches and CUDA-graph replay.
@@ -93,13 +94,15 @@ def training(model, x, names) -> dict:
         "kp fixed mask, sparse": lambda m: kp_training(m, names, None, "sparse"),
         "kp fixed mask, router": lambda m: kp_training(m, names, None, "auto"),
     }
+    # the block's input needs its gradient, as inside a model (token ids do not)
+    xg = x.clone().requires_grad_() if x.is_floating_point() else x
     for name, make in providers.items():
         try:
             m = make(copy.deepcopy(model))
-            params = list(m.parameters())
+            params = list(m.parameters()) + ([xg] if xg.requires_grad else [])
 
             def step(m=m):
-                m(x).backward(dy)
+                m(xg).backward(dy)
 
             out[name] = {"eager": harness.bench_ms(step, grad_to_none=params)}
         except Exception as err:
@@ -193,7 +196,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     models = {
-        "Llama-3-8B MLP block": (LlamaMLP(4096, 14336), torch.randn(TOKENS, 4096)),
+        "Llama-3-8B MLP block": (LlamaMLP(4096, 14336), torch.randn(4, TOKENS // 4, 4096)),
         "demo Llama (4 x 2048 tokens)": (
             demo.TinyLlama(vocab=32000, dim=2048, layers=4, heads=16, kv_heads=4, hidden=5632, eps=1e-5),
             torch.randint(0, 32000, (4, 2048)),

@@ -215,3 +215,17 @@ def test_autocast_fp32_weights_train_through_the_sparse_route():
     assert model[0].weight.grad.dtype == torch.float32
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the router times GPU matmuls")
+def test_auto_route_picks_one_route_for_the_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.Linear(256, 6)).to(
+        DEVICE, torch.bfloat16
+    )
+    decisions = kp_sparsity.sparsify_for_training(model, route="auto", tokens=512)
+    timed = decisions[:2]
+    assert all(d.dense_ms > 0 and d.sparse_ms > 0 for d in timed)
+    assert len({d.route for d in timed}) == 1 and model[0].route == model[2].route == timed[0].route
+    want = "sparse" if sum(d.sparse_ms for d in timed) < sum(d.dense_ms for d in timed) else "dense"
+    assert timed[0].route == want and decisions[2].route == "unchanged"  # 6 outputs: no 4 x 4 blocks
