@@ -10,7 +10,8 @@ block's input (4, 2048, 4096), needing its gradient in training, as inside a mod
   faster, and picks cuSPARSELt's algorithm per shape). Plain launches and CUDA-graph replay.
 - Training, ms a forward + backward (no optimizer): dense; torchao's `SemiSparseLinear` (runtime 2:4 of the weight
   each step by torch's greedy tile packer, straight-through gradient); kp `sparsify_for_training` with the mask
-  every step (SR-STE), every 100 steps, or fixed, each with the sparse route forced and with route="auto".
+  every step (SR-STE), every 100 steps, or fixed, each with the sparse route forced and with route="auto"; and
+  2:4 activations (`SparseActivationLinear`) into the MLPs' down projections (also timed in inference).
 - Accuracy: the test suite's teacher-student task at a larger size: a dense MLP trained, then pruned one shot,
   fine-tuned 2:4 (fixed mask) for as many steps as dense training continues, and trained 2:4 from scratch (SR-STE).
 The MLP block is Llama-3-8B's (dim 4096, hidden 14336); the demo's Llama: dim 2048, 4 layers, hidden 5632, its
@@ -49,7 +50,12 @@ def linears(model: nn.Module, skip=("lm_head",)) -> list[str]:
 def inference(model, x, names) -> dict:
     """ms a forward, eager and graph, per provider."""
     out = {}
-    providers = {"dense": lambda m, _names: m, "torchao 2:4": torchao_inference, "kp 2:4 (router)": kp_inference}
+    providers = {
+        "dense": lambda m, _names: m,
+        "torchao 2:4": torchao_inference,
+        "kp 2:4 (router)": kp_inference,
+        "kp 2:4 activations into down_proj": lambda m, _names: kp_activations(m, "sparse"),
+    }
     for name, make in providers.items():
         try:
             m = make(copy.deepcopy(model), names)
@@ -93,6 +99,7 @@ def training(model, x, names) -> dict:
         "kp mask every 100, sparse": lambda m: kp_training(m, names, 100, "sparse"),
         "kp fixed mask, sparse": lambda m: kp_training(m, names, None, "sparse"),
         "kp fixed mask, router": lambda m: kp_training(m, names, None, "auto"),
+        "kp 2:4 activations into down_proj, sparse": lambda m: kp_activations(m, "sparse"),
     }
     # the block's input needs its gradient, as inside a model (token ids do not)
     xg = x.clone().requires_grad_() if x.is_floating_point() else x
@@ -124,6 +131,13 @@ def kp_training(model, names, mask_every, route):
     )
     if route == "auto":
         print(f"  kp training router: { {d.shape: d.route for d in decisions} }", flush=True)
+    return model
+
+
+def kp_activations(model, route):
+    """The MLPs' down projections take 2:4 inputs (their SiLU-gated activations), dense weights."""
+    down = lambda _m, fqn: fqn.endswith("down_proj")  # noqa: E731
+    kp_sparsity.sparsify_for_training(model, module_filter_fn=down, activation_filter_fn=down, route=route)
     return model
 
 

@@ -23,6 +23,7 @@ from kp_conformance.references import (
     block_scores_2_4,
     blocks_of,
     cusparselt_compressed,
+    sparse_activation_step,
     sparse_training_step,
     transposable_patterns,
 )
@@ -53,6 +54,7 @@ kc.declare(
             "pack",
             "transposable",
             "training",
+            "activations",
             "pack_cusparselt",
             "no_mutation",
             "zero_size",
@@ -263,6 +265,35 @@ def test_training(dtype, route, data):
     assert torch.equal(layer.weight.detach(), w_before), "the forward changed the weight"
     args = (x, w_before, layer.bias, layer.mask, dy, 0.1, c["fixed"])
     ref, lowp = sparse_training_step(*args), sparse_training_step(*args, dtype=dtype)
+    ours = (y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad)
+    for what, o, r, lp in zip(("y", "dx", "dW", "db"), ours, ref, lowp):
+        if r is not None:
+            kc.check_close(what, o, r, lp, dtype)
+
+
+@pytest.mark.conformance(kernel="prune_2_4", prop="activations")
+@pytest.mark.parametrize("route", ["dense", "sparse"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(data=st.data())
+def test_training_activations(dtype, route, data):
+    """SparseActivationLinear: each token's features made 2:4 by kp's mask (equal to the sort-based reference's
+    mask, so the reference computes with the same x_s); output and gradients against float64 by the 2x rule.
+    route "sparse" packs x_s for cuSPARSELt where the token count is a multiple of 64."""
+    if route == "sparse" and (DEVICE.type != "cuda" or dtype not in PACK):
+        pytest.skip("not covered: 2:4 sparse tensor cores take fp16 / bf16 on a GPU")
+    c = data.draw(training_cases(route == "sparse"))
+    out_f, in_f = c["shape"]
+    tokens = 64 * (c["tokens"] % 3 + 1) if route == "sparse" and c["fixed"] else c["tokens"]
+    torch.manual_seed(c["seed"])
+    layer = kp_sparsity.SparseActivationLinear(in_f, out_f, bias=c["bias"], device=DEVICE, dtype=dtype, route=route)
+    x = kc.make_input((tokens, in_f), dtype, DEVICE, "contiguous", seed=c["seed"] + 1).requires_grad_()
+    dy = kc.make_input((tokens, out_f), dtype, DEVICE, "contiguous", seed=c["seed"] + 2)
+    with kp_core.record_launches() as rec:
+        y = layer(x)
+        y.backward(dy)
+    kc.assert_kernel_ran(rec, OP, *((OP_C,) if route == "sparse" and tokens % 64 == 0 else ()))
+    args = (x, layer.weight, layer.bias, dy)
+    ref, lowp = sparse_activation_step(*args), sparse_activation_step(*args, dtype=dtype)
     ours = (y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad)
     for what, o, r, lp in zip(("y", "dx", "dW", "db"), ours, ref, lowp):
         if r is not None:

@@ -400,3 +400,16 @@ def cusparselt_compressed(weight, mask):
     words = [sum(nibbles[4 * i + j] << (4 * j) for j in range(4)) for i in range(len(nibbles) // 4)]
     meta = torch.tensor([x - 65536 if x >= 32768 else x for x in words], dtype=torch.int16).view(weight.dtype)
     return torch.cat([values.flatten(), meta]).view(rows, cols // 2 + cols // 16)
+
+
+def sparse_activation_step(x, weight, bias, dy, dtype=torch.float64):
+    """2:4 activations' forward and gradients in `dtype`: x_s = x * m, m the 2:4 mask of each token's features
+    (mask_2_4 above); y = x_s W^T + b, dx = (dy W) * m, dW = dy^T x_s, db = sum of dy. Returns (y, dx, dW, db)."""
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    m = mask_2_4(x2).reshape(x.shape)
+    xs = torch.where(m, x.detach().to(dtype), torch.zeros((), dtype=dtype, device=x.device)).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
+    y = torch.nn.functional.linear(xs, w, None if bias is None else bias.detach().to(dtype))
+    y.backward(dy.to(dtype))
+    db = None if bias is None else dy.to(dtype).reshape(-1, dy.shape[-1]).sum(0)
+    return y.detach(), torch.where(m, xs.grad, torch.zeros((), dtype=dtype, device=x.device)), w.grad, db

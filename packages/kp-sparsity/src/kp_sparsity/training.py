@@ -139,19 +139,26 @@ class SparseTrainingLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mask_every is not None and self.training and torch.is_grad_enabled():
             self._count_step()
-        weight, bias = self.weight, self.bias
-        dev = x.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-        if weight.dtype != dtype:
-            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        x, weight, bias = compute_operands(self, x)
         sparse = self.route == "sparse"
-        if sparse and (not_sparse := why_not_sparse(self.weight.shape, dtype, x.device)):
+        if sparse and (not_sparse := why_not_sparse(self.weight.shape, x.dtype, x.device)):
             raise ValueError(f"SparseTrainingLinear: route 'sparse' cannot run here: {not_sparse}")
-        with torch.autocast(dev, enabled=False):
-            return _Linear24.apply(x.to(dtype), weight, bias, self.mask, self.decay, self.mask_every is None, sparse)
+        with torch.autocast(x.device.type, enabled=False):
+            return _Linear24.apply(x, weight, bias, self.mask, self.decay, self.mask_every is None, sparse)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, 2:4 transposable, mask_every={self.mask_every}, route={self.route}"
+
+
+def compute_operands(layer: nn.Linear, x: torch.Tensor):
+    """(x, weight, bias) in the dtype the layer computes in: autocast's where it is on (an fp32 weight cast for the
+    call, its gradient flowing back to it), else the weight's."""
+    weight, bias = layer.weight, layer.bias
+    dev = x.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    if weight.dtype != dtype:
+        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    return x.to(dtype), weight, bias
 
 
 def why_not_sparse(shape, dtype, device) -> str:
@@ -166,12 +173,19 @@ def why_not_sparse(shape, dtype, device) -> str:
 _MEASURED: dict = {}
 
 
-def measure_step(out_features, in_features, dtype, tokens, device) -> tuple[float, float]:
-    """(dense ms, sparse ms) of one forward + backward of a SparseTrainingLinear at `tokens` rows (the mask kept,
-    as between updates), measured once per shape, dtype, token count and GPU in this process."""
-    key = (out_features, in_features, dtype, tokens, torch.cuda.get_device_name(device))
+def measure_step(out_features, in_features, dtype, tokens, device, activations=False) -> tuple[float, float]:
+    """(dense ms, sparse ms) of one forward + backward, the input needing its gradient, of a SparseTrainingLinear
+    (its mask kept, as between updates) or with activations=True a SparseActivationLinear, at `tokens` rows.
+    Measured once per kind, shape, dtype, token count and GPU in this process."""
+    from kp_sparsity.activations import SparseActivationLinear
+
+    key = (activations, out_features, in_features, dtype, tokens, torch.cuda.get_device_name(device))
     if key not in _MEASURED:
-        layer = SparseTrainingLinear(in_features, out_features, bias=False, device=device, dtype=dtype, mask_every=None)
+        kw = dict(bias=False, device=device, dtype=dtype)
+        if activations:
+            layer = SparseActivationLinear(in_features, out_features, **kw)
+        else:
+            layer = SparseTrainingLinear(in_features, out_features, **kw, mask_every=None)
         x = torch.randn(tokens, in_features, device=device, dtype=dtype, requires_grad=True)
         dy = torch.randn(tokens, out_features, device=device, dtype=dtype)
 
@@ -190,24 +204,29 @@ def sparsify_for_training(
     model: nn.Module,
     *,
     module_filter_fn=None,
+    activation_filter_fn=None,
     mask_every: int | None = 1,
     decay: float = 2e-4,
     route: str = "auto",
     tokens: int = 8192,
 ) -> list[Decision]:
-    """Swap model's nn.Linear layers for SparseTrainingLinear in place (sharing their parameters, so an optimizer
-    made before still steps them).
+    """Swap model's nn.Linear layers in place for SparseTrainingLinear (2:4 weights), or SparseActivationLinear
+    (2:4 inputs, dense weights) where activation_filter_fn(module, fqn) says so; both share the layers' parameters,
+    so an optimizer made before still steps them.
 
     module_filter_fn(module, fqn) -> bool picks layers (default: every nn.Linear but the root with both dimensions
     multiples of 4). mask_every / decay: the module docstring (None: a fixed mask, the weights pruned now).
     route "sparse" runs every layer on sparse tensor cores (a GPU, fp16 / bf16 compute (weights or autocast),
-    both dimensions multiples of 64), "dense" through dense matmuls (the same numbers). "auto" measures one forward
-    + backward of each distinct layer shape both ways at `tokens` rows and picks one route for the whole model,
-    the faster over all its layers: cuSPARSELt's products come column-major, and where a sparse layer's output
-    meets a dense one's in an elementwise op (a gated MLP's gate and up projections) torch's kernel for mismatched
-    layouts cost more than the layer gained (H100: a Llama MLP block with gate and up sparse, down dense, 0.86x
-    dense; all three sparse, 1.06x). Layers that cannot run 2:4 stay dense either way. Returns one Decision per
-    layer considered."""
+    dimensions multiples of 64), "dense" through dense matmuls (the same numbers). "auto" measures one forward +
+    backward of each distinct layer shape both ways at `tokens` rows. For the 2:4 weights it picks one route for
+    the whole model, the faster over all those layers: cuSPARSELt's products come column-major, and where a sparse
+    layer's output meets a dense one's in an elementwise op (a gated MLP's gate and up projections) torch's kernel
+    for mismatched layouts cost more than the layer gained (H100: a Llama MLP block with gate and up sparse, down
+    dense, 0.86x dense; all three sparse, 1.06x). 2:4 activations (row-major products) are decided per layer.
+    Layers that cannot run 2:4 stay dense either way. Returns one Decision per layer considered."""
+    from kp_sparsity.activations import SparseActivationLinear
+    from kp_sparsity.activations import why_not_sparse as why_not_sparse_act
+
     if route not in _ROUTES:
         raise ValueError(f"sparsify_for_training: route must be 'auto', 'sparse' or 'dense', got {route!r}")
     decisions, layers = [], []
@@ -215,37 +234,49 @@ def sparsify_for_training(
         if type(m) is not nn.Linear or (module_filter_fn is not None and not module_filter_fn(m, name)):
             continue
         out_f, in_f = m.weight.shape
+        act = activation_filter_fn is not None and bool(activation_filter_fn(m, name))
         why = "the root module (sparsify its parent)" if not name else ""
-        if not why and (out_f % 4 or in_f % 4):
-            why = f"shape {(out_f, in_f)} (a transposable 2:4 mask needs multiples of 4)"
+        if not why and (in_f % 4 or (out_f % 4 and not act)):
+            why = f"shape {(out_f, in_f)} (2:4 needs multiples of 4)"
         if why:
             decisions.append(Decision(name, (out_f, in_f), "unchanged", why=why))
             continue
-        d = Decision(name, (out_f, in_f), route)
+        d = Decision(name, (out_f, in_f), route, why="2:4 activations" if act else "")
         # the matmuls run in the weight's dtype, or bf16 under autocast for fp32 weights
         dtype = m.weight.dtype if m.weight.dtype in SPARSE_DTYPES else torch.bfloat16
-        not_sparse = why_not_sparse(m.weight.shape, dtype, m.weight.device) if route != "dense" else ""
+        not_sparse = ""
+        if route != "dense":
+            dev = m.weight.device
+            not_sparse = (
+                why_not_sparse_act(in_f, out_f, dtype, dev) if act else why_not_sparse((out_f, in_f), dtype, dev)
+            )
         if route == "sparse" and not_sparse:
             raise ValueError(f"sparsify_for_training: layer {name!r} cannot run 2:4: {not_sparse}")
         if route == "auto":
             if not_sparse:
                 d.route, d.why = "dense", not_sparse
             else:
-                d.dense_ms, d.sparse_ms = measure_step(out_f, in_f, dtype, tokens, m.weight.device)
-        layers.append((name, m, d))
+                d.dense_ms, d.sparse_ms = measure_step(out_f, in_f, dtype, tokens, m.weight.device, act)
+                if act:
+                    d.route = "sparse" if d.sparse_ms < d.dense_ms else "dense"
+                    d.why = f"2:4 activations, one step measured at {tokens} tokens"
+        layers.append((name, m, d, act))
         decisions.append(d)
-    timed = [d for _, _, d in layers if d.dense_ms is not None]
+    timed = [d for _, _, d, act in layers if d.dense_ms is not None and not act]
     if timed:
         dense, sparse = sum(d.dense_ms for d in timed), sum(d.sparse_ms for d in timed)
         for d in timed:
             d.route = "sparse" if sparse < dense else "dense"
             d.why = (
-                f"the model's {len(timed)} layers, one step each at {tokens} tokens: {dense:.3f} ms dense, "
-                f"{sparse:.3f} sparse"
+                f"the model's {len(timed)} 2:4-weight layers, one step each at {tokens} tokens: {dense:.3f} ms "
+                f"dense, {sparse:.3f} sparse"
             )
-    for name, m, d in layers:
-        new = SparseTrainingLinear.from_dense(m, mask_every=mask_every, decay=decay)
-        new.route = d.route
+    for name, m, d, act in layers:
+        if act:
+            new = SparseActivationLinear.from_dense(m, route=d.route)
+        else:
+            new = SparseTrainingLinear.from_dense(m, mask_every=mask_every, decay=decay)
+            new.route = d.route
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
     return decisions
