@@ -233,6 +233,15 @@ def test_pack_cusparselt(dtype, shape, seed):
         assert torch.equal(bits(packed_t), bits(torch._cslt_compress(w_s.t().contiguous())))
 
 
+def check_step(layer, x, y, ref, lowp, dtype):
+    """y and the gradients of x, the weight and the bias against float64 (ref) by the 2x rule, PyTorch's masked
+    dense computation in `dtype` (lowp) the yardstick."""
+    ours = (y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad)
+    for what, o, r, lp in zip(("y", "dx", "dW", "db"), ours, ref, lowp):
+        if r is not None:
+            kc.check_close(what, o, r, lp, dtype)
+
+
 @pytest.mark.conformance(kernel="mask_2_4_transposable", prop="training")
 @pytest.mark.parametrize("route", ["dense", "sparse"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
@@ -264,11 +273,7 @@ def test_training(dtype, route, data):
         kc.assert_kernel_ran(rec, OP_C)
     assert torch.equal(layer.weight.detach(), w_before), "the forward changed the weight"
     args = (x, w_before, layer.bias, layer.mask, dy, 0.1, c["fixed"])
-    ref, lowp = sparse_training_step(*args), sparse_training_step(*args, dtype=dtype)
-    ours = (y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad)
-    for what, o, r, lp in zip(("y", "dx", "dW", "db"), ours, ref, lowp):
-        if r is not None:
-            kc.check_close(what, o, r, lp, dtype)
+    check_step(layer, x, y, sparse_training_step(*args), sparse_training_step(*args, dtype=dtype), dtype)
 
 
 @pytest.mark.conformance(kernel="prune_2_4", prop="activations")
@@ -293,11 +298,7 @@ def test_training_activations(dtype, route, data):
         y.backward(dy)
     kc.assert_kernel_ran(rec, OP, *((OP_C,) if route == "sparse" and tokens % 64 == 0 else ()))
     args = (x, layer.weight, layer.bias, dy)
-    ref, lowp = sparse_activation_step(*args), sparse_activation_step(*args, dtype=dtype)
-    ours = (y, x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad)
-    for what, o, r, lp in zip(("y", "dx", "dW", "db"), ours, ref, lowp):
-        if r is not None:
-            kc.check_close(what, o, r, lp, dtype)
+    check_step(layer, x, y, sparse_activation_step(*args), sparse_activation_step(*args, dtype=dtype), dtype)
 
 
 @pytest.mark.conformance(kernel="prune_2_4", prop="zero_size")
