@@ -9,9 +9,11 @@ The weight's gradient stays dense (dW = dy^T x), and it reaches the dense weight
   dW + decay * (W - W_s);
 - mask_every=None: the mask is fixed (computed once, when the layer is made: sparse fine-tuning of a pruned
   model), the gradient is masked (dW * mask) and the weight is pruned in place, so it stays 2:4.
-The mask is kp's (kp::mask_2_4_transposable: per 4 x 4 block the best of the 90 patterns). On a GPU the sparse
-operands are packed each step by torch's semi-structured tile packer (cuSPARSELt layout, W_s and W_s^T at once);
-on a pattern already transposable 2:4 its greedy choice keeps exactly the mask's entries.
+The mask is kp's (kp::mask_2_4_transposable: per 4 x 4 block the best of the 90 patterns). On the sparse route kp
+packs W_s and W_s^T each step into cuSPARSELt's layout in one pass (kp::pack_2_4_cusparselt). torch's own runtime
+packer (torch._sparse_semi_structured_tile, which torchao's SemiSparseLinear runs) gave wrong products with
+cuSPARSELt on an H200 (torch 2.11), and cuSPARSELt's own compression is too slow to run each step.
+cuSPARSELt's products come column-major; they are handed on as views (_unflatten), never copied.
 """
 
 from __future__ import annotations
