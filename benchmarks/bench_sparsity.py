@@ -29,11 +29,15 @@ import kp_sparsity
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (8192, 8192)]
 
 
-def torch_prune_pack(w):
+def torch_prune(w):
+    """2:4 magnitude pruning in plain PyTorch: per group of 4, the topk 2 of |w| kept."""
     groups = w.view(w.shape[0], -1, 4)
     top = groups.abs().topk(2, dim=-1).indices
-    pruned = torch.zeros_like(groups).scatter_(-1, top, groups.gather(-1, top)).view_as(w)
-    return sparse_semi_structured_from_dense_cutlass(pruned)
+    return torch.zeros_like(groups).scatter_(-1, top, groups.gather(-1, top)).view_as(w)
+
+
+def torch_prune_pack(w):
+    return sparse_semi_structured_from_dense_cutlass(torch_prune(w))
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 
+import bench_sparsity
 import demo
 import harness
 import torch
@@ -34,13 +35,11 @@ TOKENS = 8192
 
 
 def magnitude_prune_(model: nn.Module, names) -> None:
-    """2:4 magnitude pruning in plain PyTorch (topk of |w| per group of 4), for torchao, which takes 2:4 weights."""
+    """The named layers pruned 2:4 in plain PyTorch (bench_sparsity's), for torchao, which takes 2:4 weights."""
     with torch.no_grad():
         for name in names:
             w = model.get_submodule(name).weight
-            groups = w.view(w.shape[0], -1, 4)
-            keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, groups.abs().topk(2, dim=-1).indices, True)
-            w.masked_fill_(~keep.view_as(w), 0)
+            w.copy_(bench_sparsity.torch_prune(w))
 
 
 def linears(model: nn.Module, skip=("lm_head",)) -> list[str]:

@@ -16,7 +16,7 @@ from torch import nn
 from kp_sparsity import functional
 from kp_sparsity.linear import SPARSE_DTYPES
 from kp_sparsity.ops import cusparselt
-from kp_sparsity.training import compute_operands
+from kp_sparsity.training import compute_operands, sharing
 
 
 def why_not_sparse(in_features: int, out_features: int, dtype, device) -> str:
@@ -73,16 +73,10 @@ class SparseActivationLinear(nn.Linear):
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, route: str = "dense") -> SparseActivationLinear:
         """A SparseActivationLinear sharing linear's parameters (no copy)."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(
-                f"SparseActivationLinear.from_dense: linear must be an nn.Linear, got {type(linear).__name__}"
-            )
-        if linear.in_features % 4:
-            raise ValueError(f"SparseActivationLinear: in_features must be a multiple of 4, got {linear.in_features}")
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias, new.route = linear.weight, linear.bias, route
+        new = sharing(cls, linear)
+        if new.in_features % 4:
+            raise ValueError(f"SparseActivationLinear: in_features must be a multiple of 4, got {new.in_features}")
+        new.route = route
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,18 @@ class _Linear24(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+def sharing(cls, linear: nn.Linear):
+    """An instance of cls (an nn.Linear subclass) holding linear's own parameters, no copy and no __init__ run:
+    what from_dense builds on."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{cls.__name__}.from_dense: linear must be an nn.Linear, got {type(linear).__name__}")
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    new.weight, new.bias = linear.weight, linear.bias
+    return new
+
+
 class SparseTrainingLinear(nn.Linear):
     """nn.Linear trained with a runtime 2:4 weight (module docstring): `mask` (bool buffer, saved in state_dicts),
     `mask_every`, `decay`, `route` ("sparse": packed for sparse tensor cores each step; "dense": the same numbers
@@ -97,14 +109,7 @@ class SparseTrainingLinear(nn.Linear):
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, mask_every=1, decay=2e-4) -> SparseTrainingLinear:
         """A SparseTrainingLinear sharing linear's parameters (no copy), its mask computed from them."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(
-                f"SparseTrainingLinear.from_dense: linear must be an nn.Linear, got {type(linear).__name__}"
-            )
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
+        new = sharing(cls, linear)
         new._setup(mask_every, decay)
         return new
 
