@@ -3,7 +3,7 @@
 One program takes a BLOCK_M x BLOCK_K tile of the (M, K) weight: per group of 4 along K it ranks the 4 scores,
 keeps the 2 best, and writes what the call asks for: the keep mask, the pruned dense tile, and the packed form
 CUTLASS's sparse GEMM reads (the 2 kept values of each group in index order, and 4 bits of metadata per group,
-16 bits per 4 groups, scattered into CUTLASS's interleaved column-major metadata layout).
+16 bits per 4 groups, in CUTLASS's interleaved column-major metadata layout).
 """
 
 import triton
@@ -34,18 +34,37 @@ def _kept_pairs(w, keep0, keep1, keep2, keep3):
 
 
 @triton.jit
-def _meta_offsets(rows, cols, M):
-    """Where metadata element (row, col) of the (M, K / 16) int16 matrix goes in CUTLASS's layout: rows reordered
-    in groups of 32 (4-way interweave), 2 x 2 blocks swizzled, then interleaved column-major by pairs of columns
-    (torch.sparse._semi_structured_conversions' scatter offsets, as a formula)."""
-    r = rows[:, None] // 32 * 32 + (rows[:, None] % 8) * 4 + (rows[:, None] % 32) // 8
-    c = cols[None, :] + r * 0
-    top_right = ((r % 2) == 0) & ((c % 2) == 1)
-    bottom_left = ((r % 2) == 1) & ((c % 2) == 0)
-    shift = top_right.to(tl.int32) - bottom_left.to(tl.int32)
-    r = r + shift
-    c = c - shift
-    return (c // 2).to(tl.int64) * M * 2 + r * 2 + c % 2
+def _store_meta(META, meta, r0, q0, M, K):
+    """Store the (BM, BC) int16 metadata tile whose top-left element is (r0, 2 * q0) of the (M, K / 16) matrix in
+    CUTLASS's layout (torch.sparse._semi_structured_conversions' scatter offsets): rows reordered in groups of 32
+    (row 32a + 8b + c goes to 32a + 4c + b), each 2 x 2 block transposed, then column-major by pairs of columns.
+    Such a tile (BM a multiple of 32, r0 and BC even) fills BC / 2 runs of 2 * BM contiguous elements: it is
+    permuted into that order in registers, so that its stores are contiguous."""
+    BM: tl.constexpr = meta.shape[0]
+    BC: tl.constexpr = meta.shape[1]
+    tl.static_assert(BM % 32 == 0 and BC % 2 == 0, "packing takes BLOCK_M a multiple of 32, BLOCK_K of 32")
+    rows = tl.reshape(tl.permute(tl.reshape(meta, (BM // 32, 4, 8, BC)), (0, 2, 1, 3)), (BM, BC))
+    # in a pair of columns, row r's two elements go to 4 (r // 2) + 2 (column % 2) + r % 2
+    runs = tl.reshape(tl.permute(tl.reshape(rows, (BM // 2, 2, BC // 2, 2)), (2, 0, 3, 1)), (BC // 2, 2 * BM))
+    q = q0 + tl.arange(0, BC // 2)
+    at = 2 * r0 + tl.arange(0, 2 * BM)
+    inside = (q < K // 32)[:, None] & (at < 2 * M)[None, :]
+    tl.store(META + q.to(tl.int64)[:, None] * (2 * M) + at[None, :], runs, mask=inside)
+
+
+@triton.jit
+def _load_scores(W, stride_w, SCALE, M, K, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's BLOCK_M x BLOCK_K tile of the (M, K) weight (row-tile major): its rows, columns, in-bounds
+    mask, values and float32 scores |w| (times the column scale: Wanda, the input column's activation norm)."""
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (rm < M)[:, None] & (rk < K)[None, :]
+    w = tl.load(W + rm.to(tl.int64)[:, None] * stride_w + rk[None, :], mask=inside, other=0.0)
+    score = tl.abs(w.to(tl.float32))
+    if HAS_SCALE:
+        score = score * tl.load(SCALE + rk, mask=rk < K, other=0.0)[None, :]
+    return rm, rk, inside, w, score
 
 
 @triton.jit
@@ -66,14 +85,7 @@ def _prune_2_4(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    inside = (rm < M)[:, None] & (rk < K)[None, :]
-    w = tl.load(W + rm.to(tl.int64)[:, None] * stride_w + rk[None, :], mask=inside, other=0.0)
-    score = tl.abs(w.to(tl.float32))
-    if HAS_SCALE:  # Wanda: |w| times the input column's activation norm
-        score = score * tl.load(SCALE + rk, mask=rk < K, other=0.0)[None, :]
+    rm, rk, inside, w, score = _load_scores(W, stride_w, SCALE, M, K, HAS_SCALE, BLOCK_M, BLOCK_K)
     score = tl.where(score != score, float("inf"), score)  # NaN ranks as the largest: it is kept, not hidden
     s0, s1, s2, s3 = _split4(score)
     # rank = how many of the group beat this entry: a larger score, or an equal one at a lower index
@@ -90,7 +102,8 @@ def _prune_2_4(
         tl.store(OUT + offs, tl.where(keep, w, tl.zeros_like(w)), mask=inside)
     if WRITE_PACKED:
         values, nibble = _kept_pairs(w, keep0, keep1, keep2, keep3)
-        rv = (tl.program_id(0) % tiles_k) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        tile_m, tile_k = tl.program_id(0) // tl.cdiv(K, BLOCK_K), tl.program_id(0) % tl.cdiv(K, BLOCK_K)
+        rv = tile_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         tl.store(
             VALUES + rm.to(tl.int64)[:, None] * (K // 2) + rv[None, :],
             values,
@@ -100,8 +113,7 @@ def _prune_2_4(
         shifts = 4 * tl.arange(0, 4)
         meta = tl.sum(quads << shifts[None, None, :], axis=2)  # disjoint bit fields: the sum is their OR
         meta = (meta - ((meta >> 15) & 1) * 65536).to(tl.int16)  # the low 16 bits as a signed int16
-        rc = (tl.program_id(0) % tiles_k) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-        tl.store(META + _meta_offsets(rm, rc, M), meta, mask=(rm < M)[:, None] & (rc < K // 16)[None, :])
+        _store_meta(META, meta, tile_m * BLOCK_M, tile_k * (BLOCK_K // 32), M, K)
 
 
 @triton.jit
@@ -122,14 +134,7 @@ def _mask_2_4_transposable(
     """The transposable 2:4 mask of a BLOCK_M x BLOCK_K tile: per 4 x 4 block, of the N_PATTERNS 0/1 patterns
     with 2 ones in every row and column (TABLE: 128 x 16, rows past N_PATTERNS unused), the one whose entries'
     scores sum highest (the first on a tie), scored for all blocks at once as one float32 matmul."""
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    rm = (tl.program_id(0) // tiles_k) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = (tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    inside = (rm < M)[:, None] & (rk < K)[None, :]
-    w = tl.load(W + rm.to(tl.int64)[:, None] * stride_w + rk[None, :], mask=inside, other=0.0)
-    score = tl.abs(w.to(tl.float32))
-    if HAS_SCALE:
-        score = score * tl.load(SCALE + rk, mask=rk < K, other=0.0)[None, :]
+    rm, rk, inside, w, score = _load_scores(W, stride_w, SCALE, M, K, HAS_SCALE, BLOCK_M, BLOCK_K)
     # NaN and inf score as the largest finite float: a product with a pattern's 0 must stay 0, not NaN
     score = tl.where((score != score) | (score > 3.0e38), 3.0e38, score)
     blocks = tl.permute(tl.reshape(score, (BLOCK_M // 4, 4, BLOCK_K // 4, 4)), (0, 2, 1, 3))
