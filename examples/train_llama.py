@@ -1,0 +1,214 @@
+"""Train a small Llama-style model with FSDP2 through kp_distributed, on synthetic data.
+
+    torchrun --nproc-per-node 2 examples/train_llama.py --steps 100 --ckpt /tmp/ckpt
+    torchrun --nproc-per-node 2 --max-restarts 3 examples/train_llama.py --steps 100 --ckpt /tmp/ckpt --resume
+
+Each step's global batch is drawn from a generator seeded with the step number and split across the data-parallel
+ranks, so a run resumed from a checkpoint sees the same data as an uninterrupted one. Rank 0 prints a line per
+--log-every steps (loss, tokens/s over all ranks, peak memory) and appends it as JSON to --log-file. With --resume the
+run starts from --ckpt's latest complete checkpoint, which is what torchrun's restarts after a failure need.
+--die-at STEP makes rank 1 kill itself (SIGKILL) before that step on the first attempt: fault injection for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import time
+
+import kp_distributed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).split([d, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
+        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.kv_heads != self.heads:  # grouped-query attention
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, 1) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, kv_heads, hidden):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attn = Attention(dim, heads, kv_heads)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab, dim, layers, heads, kv_heads, hidden):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=2816)
+    p.add_argument("--strategy", default="full", choices=kp_distributed.STRATEGIES)
+    p.add_argument("--mp", default="bf16,fp32", help="param,reduce dtypes (bf16, fp16, fp32) or none")
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--ac", default="none", help="activation checkpointing: none, full or k (every k-th block)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt", default=None, help="checkpoint folder")
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--async-save", action="store_true")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--export", default=None, help="write the whole model here at the end (.safetensors or .pt)")
+    p.add_argument("--log-file", default=None, help="append one JSON line per logged step")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--die-at", type=int, default=None)
+    p.add_argument("--baseline", action="store_true", help="a plain fully_shard loop instead of kp_distributed.shard")
+    return p.parse_args(argv)
+
+
+def batch(step, args, rank, world, device):
+    """This rank's rows of step's global batch (the same for any restart)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    tokens = torch.randint(0, args.vocab, (args.batch * world, args.seq + 1), generator=g)
+    return tokens.chunk(world)[rank].to(device)
+
+
+def memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS (KiB on Linux)
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def plain_fully_shard(model, mp):
+    """The comparison: the hand-written loop (torchtitan's recipe without its tuning): each block, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    policy = MixedPrecisionPolicy(*(dtypes[n] for n in mp)) if mp else MixedPrecisionPolicy()
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    kp_distributed.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(args.seed)  # the same initial weights on every rank, before sharding
+    model = Llama(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.hidden).to(device)
+    ac = None if args.ac == "none" else ("full" if args.ac == "full" else int(args.ac))
+    mp = None if args.mp == "none" else tuple(args.mp.split(","))
+    if args.baseline:
+        model = plain_fully_shard(model, mp)
+    else:
+        model = kp_distributed.shard(
+            model,
+            strategy=args.strategy,
+            mixed_precision=mp,
+            prefetch=args.prefetch,
+            activation_checkpointing=ac,
+            compile_blocks=args.compile,
+        )
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    ckpt = kp_distributed.Checkpointer(args.ckpt, async_save=args.async_save) if args.ckpt else None
+    start = 0
+    if args.resume and ckpt is not None:
+        start, _ = ckpt.load(model, opt)
+        if rank == 0:
+            print(f"resumed from step {start}" if start else "no checkpoint: starting at step 0", flush=True)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    tokens_per_step = args.batch * args.seq * world
+    t0, done = time.perf_counter(), 0
+    for step in range(start, args.steps):
+        if args.die_at == step and rank == 1 and attempt == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        rows = batch(step, args, rank, world, device)
+        logits = model(rows[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        done += 1
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            record = {
+                "step": step + 1,
+                "loss": mean.item() / world,
+                "tokens_per_s": tokens_per_step * done / elapsed,
+                "memory_gib": memory_gib(device),
+                "world": world,
+                "attempt": attempt,
+            }
+            if rank == 0:
+                print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+                if args.log_file:
+                    with open(args.log_file, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+            t0, done = time.perf_counter(), 0
+        if ckpt is not None and args.save_every and (step + 1) % args.save_every == 0:
+            paused = time.perf_counter()
+            ckpt.save(step + 1, model, opt)
+            t0 += time.perf_counter() - paused  # tokens/s counts training time only
+    if ckpt is not None:
+        ckpt.wait()
+    if rank == 0 and args.log_file:  # this rank's parameters and AdamW state (gradients: as many as parameters)
+        state = sum(local_bytes(p) for p in model.parameters())
+        state += sum(local_bytes(t) for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+        with open(args.log_file, "a") as f:
+            f.write(json.dumps({"state_gib": state / 2**30, "world": world}) + "\n")
+    if args.export:
+        kp_distributed.export(model, args.export)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""What each rank runs in kp-distributed's tests: real processes (torch.multiprocessing, spawn) on gloo, no mocks.
+spawn(world, fn, *args) runs fn(rank, world, *args) in `world` processes and returns their results by rank."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import kp_distributed
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Tiny(nn.Module):
+    """A transformer-shaped model: embedding, a ModuleList of blocks, head."""
+
+    def __init__(self, dim=16, layers=3, vocab=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def batch(step: int, rows: int = 8, seq: int = 6, vocab: int = 32):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (rows, seq + 1), generator=g)
+
+
+def loss_of(model, tokens):
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def train(model, optimizer, steps, rank=0, world=1, first=0):
+    """Steps on the global batch of each step, this rank's rows of it; the global mean loss per step."""
+    losses = []
+    for step in range(first, first + steps):
+        rows = batch(step).chunk(world)[rank]
+        loss = loss_of(model, rows)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world
+        losses.append(mean.item())
+    return losses
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (DTensors), by its plain name."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[kp_distributed.checkpoint._clean(name)] = t.detach().clone()
+    return out
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    return Tiny(**kw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, out, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        kp_distributed.init("gloo")
+        result = fn(rank, world, *args)
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # Skip the interpreter's teardown: gloo's worker threads can still hold work objects then, and freeing them
+    # without the GIL aborts the process now and then (pytorch/pytorch#190489). The result is already written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn(world: int, fn, *args) -> list:
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_entry, (world, _free_port(), out, fn, args), nprocs=world, start_method="spawn")
+        results = [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        if isinstance(res, dict) and "error" in res and len(res) == 1:
+            raise AssertionError(f"rank {r} failed:\n{res['error']}")
+    return results
