@@ -3,8 +3,9 @@
     torchrun --nproc-per-node 2 examples/train_llama.py --steps 100 --ckpt /tmp/ckpt
     torchrun --nproc-per-node 2 --max-restarts 3 examples/train_llama.py --steps 100 --ckpt /tmp/ckpt --resume
 
-Each step's global batch is drawn from a generator seeded with the step number and split across the data-parallel
-ranks, so a run resumed from a checkpoint sees the same data as an uninterrupted one. Rank 0 prints a line per
+Each step's global batch (sequences that repeat a random 32-token block, so there is something to learn) is drawn
+from a generator seeded with the step number and split across the data-parallel ranks, so a run resumed from a
+checkpoint sees the same data as an uninterrupted one. Rank 0 prints a line per
 --log-every steps (loss, tokens/s over all ranks, peak memory) and appends it as JSON to --log-file. With --resume the
 run starts from --ckpt's latest complete checkpoint, which is what torchrun's restarts after a failure need.
 --die-at STEP makes rank 1 kill itself (SIGKILL) before that step on the first attempt: fault injection for tests.
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+PERIOD = 32  # tokens in the repeated block of the synthetic data
 
 
 class Attention(nn.Module):
@@ -107,7 +110,10 @@ def parse(argv=None):
 def batch(step, args, rank, world, device):
     """This rank's rows of step's global batch (the same for any restart)."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    tokens = torch.randint(0, args.vocab, (args.batch * world, args.seq + 1), generator=g)
+    # a random block of PERIOD tokens repeated: learnable (each token after the first block is a copy), so the loss
+    # falls, from about ln(vocab) toward ln(vocab) * PERIOD / seq, and runs can be compared by their curves
+    block = torch.randint(0, args.vocab, (args.batch * world, PERIOD), generator=g)
+    tokens = block.repeat(1, -(-(args.seq + 1) // PERIOD))[:, : args.seq + 1]
     return tokens.chunk(world)[rank].to(device)
 
 

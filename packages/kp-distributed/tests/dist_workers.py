@@ -3,10 +3,11 @@ spawn(world, fn, *args) runs fn(rank, world, *args) in `world` processes and ret
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+TIMEOUT = datetime.timedelta(seconds=60)
 
 
 class Block(nn.Module):
@@ -83,18 +86,13 @@ def make(seed=0, **kw):
     return Tiny(**kw)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, out, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _entry(rank, world, out, fn, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        kp_distributed.init("gloo")
+        # a file rendezvous (no port to collide with another test's), and a stuck collective fails in 60 s
+        store = f"file://{Path(out) / 'store'}"
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=TIMEOUT)
         result = fn(rank, world, *args)
     except BaseException:
         result = {"error": traceback.format_exc()}
@@ -108,9 +106,15 @@ def _entry(rank, world, port, out, fn, args):
     os._exit(0)
 
 
-def spawn(world: int, fn, *args) -> list:
+def spawn(world: int, fn, *args, deadline: float = 180.0) -> list:
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_entry, (world, _free_port(), out, fn, args), nprocs=world, start_method="spawn")
+        ctx = mp.start_processes(_entry, (world, out, fn, args), nprocs=world, start_method="spawn", join=False)
+        start = time.monotonic()
+        while not ctx.join(timeout=1):
+            if time.monotonic() - start > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise AssertionError(f"{fn.__name__} on {world} ranks: no result after {deadline:.0f} s (a hang)")
         results = [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for r, res in enumerate(results):
         if isinstance(res, dict) and "error" in res and len(res) == 1:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -20,8 +21,9 @@ STRATEGIES = ("full", "hybrid", "none")
 
 
 def device_type() -> str:
-    """The device this process computes on: "cuda" where it has a GPU (NCCL), else "cpu" (gloo)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The device the process group computes on: "cuda" where it runs NCCL, else "cpu" (gloo, GPUs or not)."""
+    backend = str(dist.get_backend()) if dist.is_initialized() else ""
+    return "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
 
 
 def make_mesh(strategy: str = "full", *, replicate: int | None = None) -> DeviceMesh:
@@ -50,11 +52,24 @@ def make_mesh(strategy: str = "full", *, replicate: int | None = None) -> Device
     return init_device_mesh(device_type(), (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
 
 
-def init(backend: str | None = None) -> None:
-    """Join the process group torchrun describes (env:// rendezvous): NCCL with one GPU per local rank, or gloo
-    without GPUs. Idempotent."""
+def init(backend: str | None = None, timeout: datetime.timedelta | None = None) -> None:
+    """Join the process group torchrun describes (env:// rendezvous): by default NCCL with one GPU per local rank
+    where there are GPUs, else gloo (backend="gloo" keeps a GPU machine's ranks on the CPU). timeout: how long a
+    collective waits for the other ranks before it fails (torch's default: 10 minutes for NCCL, 30 for gloo).
+    Idempotent."""
     if dist.is_initialized():
         return
-    if torch.cuda.is_available():
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # Under torchrun the ranks meet in the agent's store, which outlives a restart: the keys the failed attempt's
+    # ranks left there (their gloo addresses, NCCL's unique id) would be read by the new ranks, which then connect
+    # to processes that are gone (pytorch/pytorch#167288). Each attempt gets its own key space.
+    kw = {} if timeout is None else {"timeout": timeout}
+    store, rank, world = next(dist.rendezvous("env://", **kw))
+    store = dist.PrefixStore(f"kp_distributed/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
