@@ -92,6 +92,7 @@ def _errors(rank, world):
         lambda: kp_distributed.shard(make(), prefetch=-1),
         lambda: kp_distributed.shard(make(), activation_checkpointing="some"),
         lambda: kp_distributed.shard(make(), strategy="hybrid", mesh=kp_distributed.make_mesh("full")),
+        lambda: kp_distributed.shard(make(), blocks=[torch.nn.Linear(2, 2)], activation_checkpointing="full"),
     ):
         try:
             call()
@@ -112,7 +113,9 @@ def test_bad_arguments_fail_alike_on_every_rank():
         "prefetch must be an int >= 0",
         "activation_checkpointing must be None, 'full' or an int",
         "strategy 'hybrid' takes a 2-D DeviceMesh",
+        "blocks[0] (Linear) is not a submodule of the model",
     ]
+    assert len(results[0]) == len(wants)
     for got, want in zip(results[0], wants):
         assert want in got, (got, want)
 

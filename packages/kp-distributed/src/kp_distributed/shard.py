@@ -71,6 +71,8 @@ def _checkpointed(blocks: list[nn.Module], every, model: nn.Module) -> list[nn.M
     out = []
     for i, block in enumerate(blocks):
         if i % k == 0:
+            if id(block) not in parents:
+                raise ValueError(f"shard: blocks[{i}] ({type(block).__name__}) is not a submodule of the model")
             parent, name = parents[id(block)]
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
             setattr(parent, name, wrapped)
