@@ -40,14 +40,6 @@ def torch_prune_pack(w):
     return sparse_semi_structured_from_dense_cutlass(torch_prune(w))
 
 
-def same_size_copy_gbps(nbytes: int) -> float:
-    """GB/s of a device copy moving nbytes (half read, half written), timed as kp's kernel is (CUDA-graph replay):
-    the ceiling at this size."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return nbytes / harness.bench_graph_ms(lambda: dst.copy_(src)) / 1e6
-
-
 def main() -> None:
     harness.require_gpu()
     copy = harness.copy_bandwidth_gbps()
@@ -55,7 +47,8 @@ def main() -> None:
     for m, k in SHAPES:
         w = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         nbytes = m * k * 2 + m * k + m * k // 8
-        same = same_size_copy_gbps(nbytes)
+        # the ceiling at this size: a copy moving the same bytes (half read, half written), timed as kp's kernel is
+        same = harness.copy_bandwidth_gbps(nbytes // 2, timer=harness.bench_graph_ms)
         providers = {
             "kp pack_2_4": lambda w=w: kp_sparsity.pack_2_4(w),
             "torch prune + CUTLASS converter": lambda w=w: torch_prune_pack(w),

@@ -38,11 +38,12 @@ def bench_graph_ms(fn, grad_to_none=None) -> float:
     return do_bench_cudagraph(fn, rep=100, grad_to_none=grad_to_none, return_mode="median")
 
 
-def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
-    """This run's device-to-device copy ceiling, counting bytes read plus bytes written."""
+def copy_bandwidth_gbps(nbytes: int = 1 << 30, timer=None) -> float:
+    """This run's device-to-device copy ceiling for an nbytes buffer, counting bytes read plus bytes written;
+    timer: how to time it (bench_ms by default; bench_graph_ms to compare with a kernel timed by graph replay)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
+    ms = (timer or bench_ms)(lambda: dst.copy_(src))
     return 2 * nbytes / ms / 1e6
 
 

@@ -130,10 +130,10 @@ def local_bytes(t: torch.Tensor) -> int:
 
 def plain_fully_shard(model, mp):
     """The comparison: the hand-written loop (torchtitan's recipe without its tuning): each block, then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from kp_distributed.shard import mp_policy
+    from torch.distributed.fsdp import fully_shard
 
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    policy = MixedPrecisionPolicy(*(dtypes[n] for n in mp)) if mp else MixedPrecisionPolicy()
+    policy = mp_policy(mp)  # the same dtypes as kp's run
     for block in model.layers:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)

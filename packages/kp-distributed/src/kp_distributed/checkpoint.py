@@ -55,7 +55,7 @@ class Checkpointer:
     """Save and resume training in `folder` (the module docstring).
 
     ckpt = Checkpointer("ckpt", keep=3)
-    step = ckpt.load(model, optimizer)  # 0 when there is none yet
+    step, extra = ckpt.load(model, optimizer)  # (0, {}) when there is none yet
     ...
     ckpt.save(step, model, optimizer, extra={"data": loader_state})
 
@@ -69,10 +69,14 @@ class Checkpointer:
             raise ValueError(f"Checkpointer: keep must be None or an int >= 1, got {keep!r}")
         self.folder = Path(folder)
         self.keep, self.async_save = keep, async_save
-        self._pending = None  # (future, step) of an async save not yet made complete
+        self._pending = None  # (future, step, fingerprint) of an async save not yet made complete
 
     def path(self, step: int) -> Path:
         return self.folder / f"step-{step:08d}"
+
+    def _staging(self, step: int) -> Path:
+        """Where step's checkpoint is written before it is complete."""
+        return self.folder / f"step-{step:08d}.tmp"
 
     def steps(self) -> list[int]:
         """The steps with a complete checkpoint, oldest first."""
@@ -91,7 +95,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"Checkpointer.save: step must be an int >= 0, got {step!r}")
         self.wait()
-        tmp = self.folder / f"step-{step:08d}.tmp"
+        tmp = self._staging(step)
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -117,7 +121,7 @@ class Checkpointer:
     def _complete(self, step: int, prints: dict) -> None:
         _barrier()  # every rank has written its shards
         if _rank() == 0:
-            tmp, final = self.folder / f"step-{step:08d}.tmp", self.path(step)
+            tmp, final = self._staging(step), self.path(step)
             (tmp / "kp.json").write_text(json.dumps({"step": step, "shapes": prints}))
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
