@@ -176,6 +176,8 @@ def build(session: nox.Session) -> None:
         module = name.replace("-", "_")
         check = f"import {module}; print({module}.__name__, {module}.__version__, 'imports alone')"
         session.run(py, "-c", check, external=True)
+        # Each clean venv holds its own torch and triton (about 2 GB): keep one at a time.
+        shutil.rmtree(venv)
 
 
 @nox.session(python="3.11")
