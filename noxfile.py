@@ -28,6 +28,8 @@ TORCH_INDEX = os.environ.get("KP_TORCH_INDEX")
 KERNEL_DEPS = ("triton>=3.2", "numpy")
 TEST_DEPS = ("pytest>=8", "pytest-xdist", "hypothesis>=6.100")
 HF_DEPS = ("transformers>=4.45",)  # kp-norms' "hf" extra (kp_norms.patch on Hugging Face models)
+# kp-distributed's tests also shard a model built from the kernel packages (its code imports none of them)
+TESTED_WITH = {"kp-distributed": ("kp-norms", "kp-attention", "kp-precision")}
 
 nox.options.sessions = ["lint", "tests", "conformance", "build", "docs"]
 nox.options.reuse_existing_virtualenvs = True
@@ -75,14 +77,14 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11", tags=["ci"])
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
-    """One package's own tests, in a venv holding only that package and kp-core."""
+    """One package's own tests, in a venv holding only that package and kp-core (and TESTED_WITH's)."""
     _install_torch(session)
     if _installing(session):
         session.install(*TEST_DEPS)
         if package in ("kp-norms", "kp-attention"):  # patch tests: tiny transformers models, the tolerance rule
             session.install(*HF_DEPS)
             session.install("--no-deps", str(ROOT / "conformance"))
-    env = _install_packages(session, *dict.fromkeys(["kp-core", package]))
+    env = _install_packages(session, *dict.fromkeys(["kp-core", package, *TESTED_WITH.get(package, ())]))
     env.update(_cpu_env())
     session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "packages" / package / "tests"), env=env)
 

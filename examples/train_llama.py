@@ -9,6 +9,8 @@ checkpoint sees the same data as an uninterrupted one. Rank 0 prints a line per
 --log-every steps (loss, tokens/s over all ranks, peak memory) and appends it as JSON to --log-file. With --resume the
 run starts from --ckpt's latest complete checkpoint, which is what torchrun's restarts after a failure need.
 --die-at STEP makes rank 1 kill itself (SIGKILL) before that step on the first attempt: fault injection for tests.
+--kernels computes the norms, attention and SwiGLU with kp-norms' and kp-attention's kernels; --fp8 RECIPE runs
+the block's linears in float8 (kp-precision), and --fp8-all-gather all-gathers their weights in float8 too.
 """
 
 from __future__ import annotations
@@ -29,16 +31,29 @@ from torch import nn
 PERIOD = 32  # tokens in the repeated block of the synthetic data
 
 
+def rms_norm(dim, kernels):
+    if kernels:
+        import kp_norms
+
+        return kp_norms.RMSNorm(dim)
+    return nn.RMSNorm(dim)
+
+
 class Attention(nn.Module):
-    def __init__(self, dim, heads, kv_heads):
+    def __init__(self, dim, heads, kv_heads, kernels=False):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.heads, self.kv_heads, self.head_dim, self.kernels = heads, kv_heads, dim // heads, kernels
         self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
         self.out = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x):
         b, s, d = x.shape
         q, k, v = self.qkv(x).split([d, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1)
+        if self.kernels:  # (batch, seq, heads, head_dim) as it comes; grouped-query attention in the kernel
+            import kp_attention
+
+            q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
+            return self.out(kp_attention.flash_attention(q, k, v, causal=True).reshape(b, s, d))
         q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -49,25 +64,30 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads, kv_heads, hidden):
+    def __init__(self, dim, heads, kv_heads, hidden, kernels=False):
         super().__init__()
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.attn = Attention(dim, heads, kv_heads)
+        self.attn_norm, self.mlp_norm = rms_norm(dim, kernels), rms_norm(dim, kernels)
+        self.attn = Attention(dim, heads, kv_heads, kernels)
         self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
+        self.kernels = kernels
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, -1)
+        if self.kernels:
+            import kp_norms
+
+            return x + self.down(kp_norms.swiglu(gate, up))
         return x + self.down(F.silu(gate) * up)
 
 
 class Llama(nn.Module):
-    def __init__(self, vocab, dim, layers, heads, kv_heads, hidden):
+    def __init__(self, vocab, dim, layers, heads, kv_heads, hidden, kernels=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(layers))
-        self.norm = nn.RMSNorm(dim)
+        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden, kernels) for _ in range(layers))
+        self.norm = rms_norm(dim, kernels)
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens):
@@ -104,6 +124,9 @@ def parse(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--baseline", action="store_true", help="a plain fully_shard loop instead of kp_distributed.shard")
+    p.add_argument("--kernels", action="store_true", help="kp-norms' and kp-attention's kernels in the blocks")
+    p.add_argument("--fp8", default="none", choices=("none", "tensorwise", "rowwise", "blockwise"))
+    p.add_argument("--fp8-all-gather", action="store_true", help="all-gather the float8 weights in float8")
     return p.parse_args(argv)
 
 
@@ -140,13 +163,31 @@ def plain_fully_shard(model, mp):
     return model
 
 
+def build(args, device) -> nn.Module:
+    """The model on `device`, with kp's kernels and float8 linears as asked (not sharded yet)."""
+    torch.manual_seed(args.seed)  # the same initial weights on every rank, before sharding
+    model = Llama(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.hidden, args.kernels).to(device)
+    if args.fp8 != "none" or args.fp8_all_gather:
+        import kp_precision
+
+        recipe = "tensorwise" if args.fp8 == "none" else args.fp8
+        config = kp_precision.Float8Config(recipe=recipe, fsdp_float8_all_gather=args.fp8_all_gather)
+        # the blocks' linears; the output head stays in the parameter dtype, as torchtitan's float8 recipe has it
+        kp_precision.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
+    return model
+
+
 def main(argv=None) -> None:
     args = parse(argv)
     kp_distributed.init()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(args.seed)  # the same initial weights on every rank, before sharding
-    model = Llama(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.hidden).to(device)
+    model = build(args, device)
+    precompute = None
+    if args.fp8_all_gather:
+        import kp_precision
+
+        precompute = kp_precision.precompute_float8_scales
     ac = None if args.ac == "none" else ("full" if args.ac == "full" else int(args.ac))
     mp = None if args.mp == "none" else tuple(args.mp.split(","))
     if args.baseline:
@@ -179,6 +220,8 @@ def main(argv=None) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if precompute is not None:  # the next all-gathers' float8 scales, in one all-reduce
+            precompute(model)
         done += 1
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             mean = loss.detach().float().clone()

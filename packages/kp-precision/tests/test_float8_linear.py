@@ -60,3 +60,44 @@ def test_the_backward_keeps_only_what_it_reads(recipe, monkeypatch):
     kept = {t.dtype for t in saved if tuple(t.shape) == (64, 256)}
     expected = {"tensorwise": {torch.float8_e4m3fn}, "blockwise": {torch.bfloat16}, "rowwise": {torch.bfloat16}}
     assert kept == expected[recipe], kept
+
+
+def test_float8_all_gather_weight_without_fsdp_trains_as_the_plain_weight(tmp_path):
+    """fsdp_float8_all_gather wraps the weight; unsharded, the layer computes exactly as without it (the kernels
+    get the wrapped tensor), the optimizer updates it, and the state_dict holds plain tensors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).to(DEVICE)
+    plain = kp_precision.convert_to_float8_training(copy.deepcopy(model), recipe="tensorwise")
+    config = kp_precision.Float8Config(fsdp_float8_all_gather=True)
+    wrapped = kp_precision.convert_to_float8_training(copy.deepcopy(model), config=config)
+    assert isinstance(wrapped[0].weight, kp_precision.Float8AllGatherWeight)
+    assert isinstance(wrapped[0].weight, nn.Parameter)
+    assert train(wrapped, steps=3) == train(plain, steps=3)
+    state = wrapped.state_dict()
+    assert all(type(t) is torch.Tensor for t in state.values())
+    torch.save(state, tmp_path / "w.pt")
+    model.load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True))
+    torch.testing.assert_close(model[0].weight, plain[0].weight, rtol=0, atol=0)
+
+
+def test_a_gathered_weight_is_its_dequantised_value_to_other_ops():
+    w = torch.randn(32, 48, device=DEVICE)
+    q = kp_precision.quantize(w)
+    gathered = kp_precision.Float8GatheredWeight(q.data, q.scale, q.amax, torch.bfloat16)
+    assert gathered.dtype == torch.bfloat16 and gathered.shape == (32, 48)
+    want = (q.data.float() * q.scale).to(torch.bfloat16)
+    torch.testing.assert_close(gathered + 0, want, rtol=0, atol=0)
+    torch.testing.assert_close(gathered.detach()[:4].float(), want[:4].float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(recipe="rowwise", fsdp_float8_all_gather=True), ValueError, "tensorwise recipe with dynamic scaling"),
+        (dict(scaling="delayed", fsdp_float8_all_gather=True), ValueError, "tensorwise recipe with dynamic scaling"),
+        (dict(fsdp_float8_all_gather=1), TypeError, "fsdp_float8_all_gather must be a bool"),
+    ],
+)
+def test_float8_all_gather_config_errors(kw, error, match):
+    with pytest.raises(error, match=match):
+        kp_precision.Float8Config(**kw)

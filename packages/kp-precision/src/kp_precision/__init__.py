@@ -3,6 +3,7 @@ fused linear + activation in Triton."""
 
 from kp_precision.auto import auto_filter
 from kp_precision.float8 import Float8Tensor
+from kp_precision.fsdp import Float8AllGatherWeight, Float8GatheredWeight, precompute_float8_scales
 from kp_precision.functional import (
     dequantize,
     fake_quantize,
@@ -22,7 +23,9 @@ from kp_precision.training import Float8Config, Float8Linear, convert_to_float8_
 __version__ = "0.1.0"
 
 __all__ = [
+    "Float8AllGatherWeight",
     "Float8Config",
+    "Float8GatheredWeight",
     "Float8InferenceLinear",
     "Float8Linear",
     "Float8Tensor",
@@ -40,6 +43,7 @@ __all__ = [
     "mx_dequantize",
     "mx_matmul",
     "mx_quantize",
+    "precompute_float8_scales",
     "prepare_qat",
     "quantize",
     "scaled_mm",

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kp_precision.auto import auto_filter
+from kp_precision.float8 import Float8Tensor
+from kp_precision.fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight
 from kp_precision.functional import quantize, scaled_mm
 from kp_precision.ops.quantize import TRANSPOSE
 from kp_precision.swap import swap_linears
@@ -49,7 +51,10 @@ class Float8Config:
     (the gradient's float8 format; None: e5m2 for tensorwise, e4m3fn otherwise) and `power_of_2` (scales
     floored to powers of two; None: True for rowwise, as torchao's recipe) and `fast_accum_output` (the
     forward's matmul sums all of K in the float8 tensor cores' own accumulator, as torchao's recipes do; the two
-    gradient matmuls always add every 128-deep partial sum to float32: see kp_precision.scaled_mm)."""
+    gradient matmuls always add every 128-deep partial sum to float32: see kp_precision.scaled_mm) and
+    `fsdp_float8_all_gather` (under FSDP2, each rank casts its weight shard to float8 before the all-gather, which
+    then moves half the bytes of bf16, and the forward uses the gathered float8 weight: tensorwise, dynamic scaling
+    only; see kp_precision.fsdp)."""
 
     recipe: str = "tensorwise"
     scaling: str = "dynamic"
@@ -57,6 +62,7 @@ class Float8Config:
     grad_dtype: torch.dtype | None = None
     power_of_2: bool | None = None
     fast_accum_output: bool = True
+    fsdp_float8_all_gather: bool = False
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
@@ -69,6 +75,13 @@ class Float8Config:
             raise ValueError(f"Float8Config: history_len must be a positive int, got {self.history_len!r}")
         if not isinstance(self.fast_accum_output, bool):
             raise TypeError(f"Float8Config: fast_accum_output must be a bool, got {self.fast_accum_output!r}")
+        if not isinstance(self.fsdp_float8_all_gather, bool):
+            raise TypeError(f"Float8Config: fsdp_float8_all_gather must be a bool, got {self.fsdp_float8_all_gather!r}")
+        if self.fsdp_float8_all_gather and (self.recipe, self.scaling) != ("tensorwise", "dynamic"):
+            raise ValueError(
+                "Float8Config: fsdp_float8_all_gather is for the tensorwise recipe with dynamic scaling, got "
+                f"recipe={self.recipe!r}, scaling={self.scaling!r}"
+            )
         if self.grad_dtype not in (None, E4M3, E5M2):
             raise TypeError(f"Float8Config: grad_dtype must be float8_e4m3fn or float8_e5m2, got {self.grad_dtype}")
 
@@ -120,9 +133,14 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, config, histories, first):
+        if isinstance(weight, Float8AllGatherWeight):  # not sharded: kernels take the wrapped tensor itself
+            weight = weight._tensor
         if histories is not None:
             qx = _delayed_cast(x2, E4M3, config, histories[0], first)
             qw = _delayed_cast(weight, E4M3, config, histories[1], first, weight=True)
+        elif isinstance(weight, Float8GatheredWeight):  # FSDP2 all-gathered it in float8, with its scale
+            qx = _cast(x2, E4M3, config)
+            qw = Float8Tensor(weight._data, weight._scale, weight._amax, (0, 0))
         else:
             qx, qw = _cast(x2, E4M3, config), _cast(weight, E4M3, config, weight=True)
         y = scaled_mm(
@@ -189,6 +207,12 @@ def _weight_grad_along_m(gy, x2, gfp8, config, dtype):
     return scaled_mm(qgt.data, qxt.data.t(), qgt.scale, qxt.scale.t(), out_dtype=dtype)
 
 
+def _all_gather_weight(weight: nn.Parameter, config: Float8Config) -> nn.Parameter:
+    if isinstance(weight, Float8AllGatherWeight):
+        return weight
+    return nn.Parameter(Float8AllGatherWeight(weight.data, config.pow2), requires_grad=weight.requires_grad)
+
+
 def check_input(layer: str, x, in_features: int) -> None:
     """A linear's input: a float16 / bfloat16 / float32 tensor whose last dim is in_features."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -201,7 +225,8 @@ def check_input(layer: str, x, in_features: int) -> None:
 class Float8Linear(nn.Linear):
     """nn.Linear whose matmuls (forward and backward) run in float8 (see the module docstring). Parameters,
     their names and the state_dict are nn.Linear's: `Float8Linear.from_linear(lin)` shares lin's parameters,
-    and state_dicts load both ways."""
+    and state_dicts load both ways. With `fsdp_float8_all_gather` the weight is a new Parameter over the same
+    data, a Float8AllGatherWeight (convert before building the optimizer)."""
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, config=None):
         super().__init__(in_features, out_features, bias, device, dtype)
@@ -215,6 +240,9 @@ class Float8Linear(nn.Linear):
             for name in ("amax_history_x", "amax_history_w", "amax_history_grad"):
                 self.register_buffer(name, torch.zeros(n, device=device), persistent=False)
         self._history_filled = False
+        if self.config.fsdp_float8_all_gather:
+            self.weight = _all_gather_weight(self.weight, self.config)
+            self._register_state_dict_hook(plain_weight)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, config=None) -> "Float8Linear":
@@ -222,6 +250,8 @@ class Float8Linear(nn.Linear):
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, linear.bias is not None, config=config)
         new.weight = linear.weight
+        if new.config.fsdp_float8_all_gather:
+            new.weight = _all_gather_weight(linear.weight, new.config)
         new.bias = linear.bias
         if new.config.scaling == "delayed":
             for name in ("amax_history_x", "amax_history_w", "amax_history_grad"):

@@ -116,9 +116,24 @@ def _blocks(x2: torch.Tensor, block_m: int, block_k: int) -> torch.Tensor:
     return padded.view(pm // bm, bm, pk // bk, bk)
 
 
+def multiplier(amax: torch.Tensor, fp8: torch.dtype, power_of_2: bool) -> torch.Tensor:
+    """q = FP8_MAX / max(amax, EPS) (float32), floored to a power of two with power_of_2; the scale is 1 / q."""
+    amax = amax.float()
+    q = torch.full_like(amax, fp8_max(fp8)) / amax.clamp(min=EPS)  # not mx / t: torch computes that as mx * (1 / t)
+    if power_of_2:
+        q = torch.where(q.isnan(), q, (q.view(torch.int32) & 0x7F800000).view(torch.float32))
+    return q
+
+
+def saturating_cast(x: torch.Tensor, q: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """float8(saturate(x * q)) in float32, NaN kept: the kernels' cast, in PyTorch."""
+    mx = fp8_max(fp8)
+    y = x.float() * q
+    return torch.where(y.isnan(), y, y.clamp(-mx, mx)).to(fp8)
+
+
 def _reference(x2, scale, fp8, block_m, block_k, power_of_2):
     xf = x2.float()
-    mx = fp8_max(fp8)
     if scale is not None:
         q = torch.full_like(xf[:1, :1], 1.0) / scale.float().reshape(1, 1)
         amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
@@ -126,16 +141,12 @@ def _reference(x2, scale, fp8, block_m, block_k, power_of_2):
         qb = q
     else:
         amax = _blocks(xf, block_m, block_k).abs().amax(dim=(1, 3))  # (Mb, Kb)
-        q = torch.full_like(amax, mx) / amax.clamp(min=EPS)  # not mx / t: torch computes that as mx * (1 / t)
-        if power_of_2:
-            q = torch.where(q.isnan(), q, (q.view(torch.int32) & 0x7F800000).view(torch.float32))
+        q = multiplier(amax, fp8, power_of_2)
         s_out = torch.ones_like(q) / q
         bm = x2.shape[0] if block_m == 0 else block_m
         bk = x2.shape[1] if block_k == 0 else block_k
         qb = q.repeat_interleave(max(bm, 1), 0)[: x2.shape[0]].repeat_interleave(max(bk, 1), 1)[:, : x2.shape[1]]
-    y = xf * qb
-    y = torch.where(y.isnan(), y, y.clamp(-mx, mx))
-    return y.to(fp8), s_out, amax
+    return saturating_cast(xf, qb, fp8), s_out, amax
 
 
 # ---- launchers ----
@@ -210,9 +221,7 @@ def forward(
         amax = torch.zeros(shape, device=x.device)
         if scale is not None:
             return data, scale.float().reshape(()).clone(), amax
-        q = torch.full(shape, fp8_max(fp8), device=x.device) / torch.full(shape, EPS, device=x.device)
-        if power_of_2:
-            q = (q.view(torch.int32) & 0x7F800000).view(torch.float32)
+        q = multiplier(amax, fp8, power_of_2)
         return data, torch.ones_like(q) / q, amax
     x2 = _rows(x)
     s, a = _launch_quantize(OP, x2, data.view(-1, x2.shape[1]), scale, fp8, block_m, block_k, power_of_2)

@@ -1,0 +1,106 @@
+"""shard() on a model built from the other kp packages: the example trainer's Llama with kp-norms' RMSNorm and
+SwiGLU, kp-attention's flash attention and kp-precision's float8 linears, their weights all-gathered in float8,
+each block compiled. Two gloo ranks train as one process does, the kernels themselves run (off-GPU under Triton's
+interpreter, as the test session sets it), and a DCP checkpoint of the float8 weights resumes on a new model."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import kp_distributed
+import pytest
+import torch
+from dist_workers import batch, full_params, loss_of, spawn, train
+
+TRAINER = Path(__file__).resolve().parents[3] / "examples" / "train_llama.py"
+kp_core = pytest.importorskip("kp_core")  # installed with the kernel packages, which this test needs
+pytest.importorskip("kp_norms")
+pytest.importorskip("kp_attention")
+kp_precision = pytest.importorskip("kp_precision")
+pytestmark = pytest.mark.skipif(not TRAINER.is_file(), reason="the example trainer lives in the repository")
+# dist_workers.batch's tokens: vocab 32; 16 features so that the float8 matmuls take every linear
+ARGS = SimpleNamespace(
+    seed=0, vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=48, kernels=True, fp8="tensorwise"
+)
+STEPS = 2
+
+
+def example():
+    spec = importlib.util.spec_from_file_location("train_llama", TRAINER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kp_model():
+    return example().build(SimpleNamespace(**vars(ARGS), fp8_all_gather=True), torch.device("cpu"))
+
+
+def _sharded(rank, world, folder):
+    # compiled blocks: dynamo traces the float8 weights (tensor subclasses) and the kp ops' declarations
+    model = kp_distributed.shard(kp_model(), mixed_precision=None, compile_blocks={"backend": "aot_eager"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # each float8 all-gather first reduces its weight's amax over the ranks: count those all-reduces
+    all_reduce, amax_reductions = torch.distributed.all_reduce, []
+
+    def counted(tensor, op=torch.distributed.ReduceOp.SUM, **kw):
+        amax_reductions.append(op == torch.distributed.ReduceOp.MAX)
+        return all_reduce(tensor, op, **kw)
+
+    torch.distributed.all_reduce = counted
+    with kp_core.record_launches() as record:
+        losses = train(model, opt, STEPS, rank, world)
+    torch.distributed.all_reduce = all_reduce
+    w = model.layers[0].down.weight  # outside the forward: the sharded parameter
+    ckpt = kp_distributed.Checkpointer(folder)
+    ckpt.save(STEPS, model, opt)
+    again = kp_distributed.shard(kp_model(), mixed_precision=None)
+    opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    step, _ = ckpt.load(again, opt2)
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "ops": sorted({(launch.op, launch.backend) for launch in record.launches}),
+        "weight": f"{type(w).__name__}({type(w.to_local()).__name__})",
+        "amax_reductions": sum(amax_reductions),
+        "resumed": (step, train(again, opt2, 1, rank, world, first=STEPS)),
+    }
+
+
+def one_process(world=2):
+    """STEPS + 1 steps, each rank's rows through the model separately and the mean of their losses (the
+    activations' tensorwise float8 scales are then the ranks' own, as in the sharded run); the losses, and the
+    parameters after STEPS."""
+    model = kp_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS + 1):
+        if step == STEPS:
+            params = full_params(model)
+        loss = sum(loss_of(model, rows) for rows in batch(step).chunk(world)) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, params
+
+
+def test_kp_kernels_and_float8_all_gather_under_shard(tmp_path):
+    results = spawn(2, _sharded, str(tmp_path / "ckpt"))
+    want_losses, want_params = one_process()
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses[:STEPS]), rtol=1e-5, atol=1e-6)
+        for name, p in want_params.items():
+            torch.testing.assert_close(res["params"][name], p, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        # the resumed model's next step is the uninterrupted run's third
+        assert res["resumed"][0] == STEPS
+        torch.testing.assert_close(res["resumed"][1][0], want_losses[STEPS], rtol=1e-5, atol=1e-6)
+    # every kp op of the forward and backward ran, none on its PyTorch reference path
+    ops = {"norm", "flash_attention", "glu", "quantize", "scaled_mm", "transpose"}
+    ops |= {f"{op}_backward" for op in ("norm", "flash_attention", "glu")}
+    assert {op for op, _ in results[0]["ops"]} == {f"kp::{op}" for op in ops}
+    assert "reference" not in {backend for _, backend in results[0]["ops"]}
+    assert results[0]["weight"] == "DTensor(Float8AllGatherWeight)"
+    # per step: the 8 float8 weights (4 a block) gathered for the forward, block 0's 4 again for the backward (the
+    # last block stays gathered)
+    assert results[0]["amax_reductions"] == STEPS * 12
