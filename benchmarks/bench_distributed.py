@@ -1,9 +1,14 @@
-"""kp_distributed on 1 and 2 GPUs, one run: examples/train_llama.py under torchrun (NCCL), bf16 parameters with
-fp32 reduction, the same per-GPU batch; tokens/s, scaling, peak memory and per-GPU parameter + optimizer state;
-the 2-GPU loss curve against 1 GPU at the same global batch; a plain fully_shard loop on the same model; and a rank
-killed with SIGKILL mid-run, resumed by torchrun's restart from the last checkpoint.
+"""kp_distributed on 1 and 2 GPUs: examples/train_llama.py under torchrun (NCCL), bf16 parameters with fp32
+reduction unless said otherwise, the same per-GPU batch. Two parts, each its own results:
 
-    python benchmarks/bench_distributed.py     # writes results/<device>/distributed.{json,md,png}
+    python benchmarks/bench_distributed.py scaling   # results/<device>/distributed.{json,md,png}
+    python benchmarks/bench_distributed.py compose   # results/<device>/distributed-compose.{json,md,png}
+
+scaling: tokens/s, scaling, peak memory and per-GPU parameter + optimizer state on 1 and 2 GPUs; a plain
+fully_shard loop on the same model; the 2-GPU loss curve against 1 GPU at the same global batch, with a float32
+run as the yardstick of bf16's own deviation; the communication hidden behind compute (a profile of the 2-GPU
+run's last steps); and a rank killed with SIGKILL mid-run, resumed by torchrun's restart from the last checkpoint.
+compose: 2 GPUs with kp's kernels (--kernels), float8 linears (--fp8 tensorwise) and float8 all-gather.
 """
 
 from __future__ import annotations
@@ -36,76 +41,116 @@ def run(gpus: int, batch: int, *extra, restarts=0, tmp: Path) -> tuple[list[dict
 
 def summary(records: list[dict]) -> dict:
     steps = [r for r in records if "step" in r]
-    warm = [r for r in steps if r["step"] > 10]  # after compilation of kernels and the allocator's warm-up
-    return {
-        "tokens_per_s": sum(r["tokens_per_s"] for r in warm) / len(warm),
+    # after the kernels' compilation and the allocator's warm-up, and before the profiled last steps
+    timed = [r for r in steps if 10 < r["step"] <= STEPS - PROFILED]
+    out = {
+        "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
         "memory_gib": max(r["memory_gib"] for r in steps),
         "state_gib": next(r["state_gib"] for r in records if "state_gib" in r),
         "losses": [(r["step"], r["loss"]) for r in steps],
     }
+    overlap = [r["overlap"] for r in records if "overlap" in r]
+    if overlap:
+        out["overlap"] = overlap[0]
+    return out
+
+
+PROFILED = 3  # the last steps of each run, under torch.profiler (the overlap report)
+PARTS = {
+    "scaling": [
+        ("1 GPU, batch 4", 1, 4, ()),
+        ("2 GPUs, batch 4 each (kp shard)", 2, 4, ()),
+        ("2 GPUs, batch 4 each (plain fully_shard)", 2, 4, ("--baseline",)),
+        ("1 GPU, batch 8 (2-GPU global batch)", 1, 8, ()),
+        ("1 GPU, batch 8, float32", 1, 8, ("--mp", "none")),
+    ],
+    "compose": [
+        ("2 GPUs, bf16", 2, 4, ()),
+        ("2 GPUs, kp kernels", 2, 4, ("--kernels",)),
+        ("2 GPUs, kp kernels + float8", 2, 4, ("--kernels", "--fp8", "tensorwise")),
+        ("2 GPUs, kp kernels + float8, float8 all-gather", 2, 4, ("--kernels", "--fp8-all-gather")),
+    ],
+}
+KILLED = "2 GPUs, rank 1 killed at step 15"
 
 
 def main() -> None:
+    part = sys.argv[1] if len(sys.argv) > 1 else "scaling"
+    if part not in PARTS:
+        raise SystemExit(f"bench_distributed: the part is one of {sorted(PARTS)}, got {part!r}")
     harness.require_gpu()
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_distributed: needs 2 GPUs")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        cases = [
-            ("1 GPU, batch 4", 1, 4, ()),
-            ("2 GPUs, batch 4 each (kp shard)", 2, 4, ()),
-            ("2 GPUs, batch 4 each (plain fully_shard)", 2, 4, ("--baseline",)),
-            ("1 GPU, batch 8 (2-GPU global batch)", 1, 8, ()),
-        ]
-        for name, gpus, batch, extra in cases:
-            records, _ = run(gpus, batch, *extra, tmp=tmp)
-            rows.append(dict(provider=name, gpus=gpus, batch=batch, **summary(records)))
+        for name, gpus, batch, extra in PARTS[part]:
+            records, _ = run(gpus, batch, "--profile", str(PROFILED), *extra, tmp=tmp)
+            rows.append(dict(provider=name, gpus=gpus, batch=batch, flags=" ".join(extra), **summary(records)))
             print(name, {k: v for k, v in rows[-1].items() if k != "losses"}, flush=True)
-        ck = tmp / "ckpt"
-        try:
-            records, stdout = run(
-                2, 4, "--ckpt", str(ck), "--save-every", "10", "--resume", "--die-at", "15", restarts=1, tmp=tmp
-            )
-            resumed = [line for line in stdout.splitlines() if line.startswith("resumed from")]
-            losses = [(r["step"], r["loss"], r["attempt"]) for r in records if "step" in r]
-            rows.append(dict(provider="2 GPUs, rank 1 killed at step 15", resumed=resumed, losses=losses))
-        except RuntimeError as err:  # reported, not dropped: the other rows still get written
-            rows.append(dict(provider="2 GPUs, rank 1 killed at step 15", failed=str(err)[-1500:]))
-        print(rows[-1], flush=True)
-    meta = {"kernel": "distributed", "model": MODEL, "steps": STEPS, "dtype": "bf16 params, fp32 reduce"}
-    harness.publish("distributed", meta, rows, render, plot)
+        if part == "scaling":
+            ck = tmp / "ckpt"
+            try:
+                records, stdout = run(
+                    2, 4, "--ckpt", str(ck), "--save-every", "10", "--resume", "--die-at", "15", restarts=1, tmp=tmp
+                )
+                resumed = [line for line in stdout.splitlines() if line.startswith("resumed from")]
+                losses = [(r["step"], r["loss"], r["attempt"]) for r in records if "step" in r]
+                rows.append(dict(provider=KILLED, resumed=resumed, losses=losses))
+            except RuntimeError as err:  # reported, not dropped: the other rows still get written
+                rows.append(dict(provider=KILLED, failed=str(err)[-1500:]))
+            print(rows[-1], flush=True)
+    meta = {"kernel": "distributed", "part": part, "model": MODEL, "steps": STEPS}
+    harness.publish("distributed" if part == "scaling" else f"distributed-{part}", meta, rows, render, plot)
 
 
 def render(meta: dict, rows: list[dict]) -> str:
     one = rows[0]["tokens_per_s"]
     lines = [
-        f"# kp_distributed, {meta['device']} x 2",
+        f"# kp_distributed ({meta['part']}), {meta['device']}",
         "",
-        f"torch {meta['torch']}; examples/train_llama.py {meta['model']}, {meta['steps']} steps, AdamW, "
-        f"{meta['dtype']}. tokens/s: mean of the logged windows after step 10, all ranks together. state: one "
-        "rank's parameters and AdamW state (gradients take as much as the parameters).",
+        f"torch {meta['torch']}; examples/train_llama.py {meta['model']}, {meta['steps']} steps, AdamW, bf16 "
+        "parameters with fp32 reduction unless said otherwise. tokens/s: mean of the logged windows after step 10 "
+        f"and before the last {PROFILED} steps (profiled), all ranks together. state: one rank's parameters and "
+        "AdamW state (gradients take as much as the parameters). hidden: the share of NCCL kernel time that ran "
+        "while a compute kernel ran, in the profiled steps.",
         "",
-        "| run | tokens/s | x 1 GPU | peak memory GiB | state GiB |",
-        "|---|---|---|---|---|",
+        "| run | tokens/s | x first row | peak memory GiB | state GiB | comm ms | hidden |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "tokens_per_s" in r:
+            o = r.get("overlap", {})
+            comm = f"{o['comm'] / 1e3:.1f}" if o else "-"
+            hidden = f"{o['hidden']:.2f}" if o and o["comm"] else "-"
             lines.append(
                 f"| {r['provider']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / one:.2f}x | "
-                f"{r['memory_gib']:.2f} | {r['state_gib']:.3f} |"
+                f"{r['memory_gib']:.2f} | {r['state_gib']:.3f} | {comm} | {hidden} |"
             )
-    two = dict(map(tuple, rows[1]["losses"]))
-    big = dict(map(tuple, rows[3]["losses"]))
-    lines += ["", "Loss, 2 GPUs x batch 4 against 1 GPU x batch 8 (the same global batch):", ""]
-    lines += ["| step | 2 GPUs | 1 GPU | difference |", "|---|---|---|---|"]
-    lines += [f"| {s} | {two[s]:.4f} | {big[s]:.4f} | {two[s] - big[s]:+.4f} |" for s in two if s in big]
-    kill = rows[4]
-    if "failed" in kill:
-        return "\n".join(lines + ["", "Killed run: failed:", "", "```", kill["failed"], "```"]) + "\n"
-    lines += ["", f"Killed run: {'; '.join(kill['resumed'])}", "", "| step | loss | attempt |", "|---|---|---|"]
-    lines += [f"| {s} | {loss:.4f} | {a} |" for s, loss, a in kill["losses"]]
+    if meta["part"] == "scaling":
+        lines += _losses(rows)
+        lines += _killed(rows[-1])
     return "\n".join(lines) + "\n"
+
+
+def _losses(rows: list[dict]) -> list[str]:
+    """2 GPUs against 1 at the same global batch, beside bf16 against float32 on 1 GPU (bf16's own deviation)."""
+    two, big, fp32 = (dict(map(tuple, rows[i]["losses"])) for i in (1, 3, 4))
+    out = ["", "Loss at the same global batch (8 sequences): 2 GPUs x 4 against 1 GPU x 8, both bf16; and the 1-GPU"]
+    out += ["bf16 run against the same run in float32, the size of bf16's own deviation:", ""]
+    out += ["| step | 2 GPUs | 1 GPU | 2 - 1 | 1 GPU float32 | bf16 - float32 |", "|---|---|---|---|---|---|"]
+    for s in two:
+        if s in big and s in fp32:
+            cells = [two[s], big[s], f"{two[s] - big[s]:+.4f}", fp32[s], f"{big[s] - fp32[s]:+.4f}"]
+            out.append(f"| {s} | " + " | ".join(c if isinstance(c, str) else f"{c:.4f}" for c in cells) + " |")
+    return out
+
+
+def _killed(kill: dict) -> list[str]:
+    if "failed" in kill:
+        return ["", "Killed run: failed:", "", "```", kill["failed"], "```"]
+    out = ["", f"Killed run: {'; '.join(kill['resumed'])}", "", "| step | loss | attempt |", "|---|---|---|"]
+    return out + [f"| {s} | {loss:.4f} | {a} |" for s, loss, a in kill["losses"]]
 
 
 def plot(rows: list[dict], meta: dict, path) -> None:

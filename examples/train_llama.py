@@ -127,6 +127,7 @@ def parse(argv=None):
     p.add_argument("--kernels", action="store_true", help="kp-norms' and kp-attention's kernels in the blocks")
     p.add_argument("--fp8", default="none", choices=("none", "tensorwise", "rowwise", "blockwise"))
     p.add_argument("--fp8-all-gather", action="store_true", help="all-gather the float8 weights in float8")
+    p.add_argument("--profile", type=int, default=0, help="profile the last N steps: the overlap report")
     return p.parse_args(argv)
 
 
@@ -211,9 +212,13 @@ def main(argv=None) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     tokens_per_step = args.batch * args.seq * world
     t0, done = time.perf_counter(), 0
+    prof = None
     for step in range(start, args.steps):
         if args.die_at == step and rank == 1 and attempt == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.profile and step == max(start, args.steps - args.profile):
+            prof = torch.profiler.profile()  # CPU, and the GPU's kernels where there is one
+            prof.__enter__()
         rows = batch(step, args, rank, world, device)
         logits = model(rows[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
@@ -249,6 +254,15 @@ def main(argv=None) -> None:
             t0 += time.perf_counter() - paused  # tokens/s counts training time only
     if ckpt is not None:
         ckpt.wait()
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        # GPU kernels: NCCL's against the rest (none on CPU processes)
+        hidden = kp_distributed.overlap(kp_distributed.kernel_intervals(prof))
+        if rank == 0:
+            print("overlap " + " ".join(f"{k} {v:.4g}" for k, v in hidden.items()), flush=True)
+            if args.log_file:
+                with open(args.log_file, "a") as f:
+                    f.write(json.dumps({"overlap": hidden, "steps": args.profile}) + "\n")
     if rank == 0 and args.log_file:  # this rank's parameters and AdamW state (gradients: as many as parameters)
         state = sum(local_bytes(p) for p in model.parameters())
         state += sum(local_bytes(t) for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
