@@ -67,17 +67,17 @@ def _sharded(rank, world, folder):
     }
 
 
-def one_process(world=2):
-    """STEPS + 1 steps, each rank's rows through the model separately and the mean of their losses (the
-    activations' tensorwise float8 scales are then the ranks' own, as in the sharded run); the losses, and the
-    parameters after STEPS."""
+def _one_process(rank, world, parts):
+    """STEPS + 1 steps, each of the sharded run's `parts` rows through the model separately and the mean of their
+    losses (the activations' tensorwise float8 scales are then the ranks' own, as in the sharded run); the
+    losses, and the parameters after STEPS."""
     model = kp_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS + 1):
         if step == STEPS:
             params = full_params(model)
-        loss = sum(loss_of(model, rows) for rows in batch(step).chunk(world)) / world
+        loss = sum(loss_of(model, rows) for rows in batch(step).chunk(parts)) / parts
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -85,9 +85,12 @@ def one_process(world=2):
     return losses, params
 
 
-def test_kp_kernels_and_float8_all_gather_under_shard(tmp_path):
+def test_kp_kernels_and_float8_all_gather_under_shard(tmp_path, monkeypatch):
+    # the kernels on the ranks' CPU tensors, under the interpreter on a GPU machine too; the one-process run in a
+    # process of its own, on the same path
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     results = spawn(2, _sharded, str(tmp_path / "ckpt"))
-    want_losses, want_params = one_process()
+    ((want_losses, want_params),) = spawn(1, _one_process, 2)
     for res in results:
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses[:STEPS]), rtol=1e-5, atol=1e-6)
         for name, p in want_params.items():
