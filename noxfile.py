@@ -81,8 +81,9 @@ def tests(session: nox.Session, package: str) -> None:
     _install_torch(session)
     if _installing(session):
         session.install(*TEST_DEPS)
-        if package in ("kp-norms", "kp-attention"):  # patch tests: tiny transformers models, the tolerance rule
+        if package in ("kp-norms", "kp-attention", "kp-distributed"):  # tiny transformers models
             session.install(*HF_DEPS)
+        if package in ("kp-norms", "kp-attention"):  # their patch tests' tolerance rule
             session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, *dict.fromkeys(["kp-core", package, *TESTED_WITH.get(package, ())]))
     env.update(_cpu_env())

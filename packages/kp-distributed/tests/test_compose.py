@@ -107,3 +107,75 @@ def test_kp_kernels_and_float8_all_gather_under_shard(tmp_path, monkeypatch):
     # per step: the 8 float8 weights (4 a block) gathered for the forward, block 0's 4 again for the backward (the
     # last block stays gathered)
     assert results[0]["amax_reductions"] == STEPS * 12
+
+
+class _Logits(torch.nn.Module):
+    """A Hugging Face causal LM as tokens -> logits."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        return self.lm(input_ids=tokens).logits
+
+
+def hf_patched():
+    """A tiny transformers Llama, patched: kp-norms' RMSNorm and fused SwiGLU MLP, kp-attention's attention."""
+    import transformers
+
+    import kp_attention
+    import kp_norms
+
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    lm = transformers.LlamaForCausalLM(config)
+    kp_norms.patch(lm)
+    kp_attention.patch(lm)
+    return _Logits(lm)
+
+
+def _hf_sharded(rank, world):
+    model = kp_distributed.shard(hf_patched(), mixed_precision=None, activation_checkpointing="full")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with kp_core.record_launches() as record:
+        losses = train(model, opt, STEPS, rank, world)
+    blocks = [type(b).__name__ for b in kp_distributed.find_blocks(model)]
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "ops": record.backends(),
+        "blocks": blocks,
+        "use_cache": model.lm.config.use_cache,  # off: a recomputed block would grow the KV cache again
+    }
+
+
+def _hf_one_process(rank, world):
+    model = hf_patched()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with kp_core.record_launches() as record:
+        losses = train(model, opt, STEPS)
+    return losses, full_params(model), record.kernels()
+
+
+def test_hugging_face_model_patched_by_kp_norms_and_kp_attention_under_shard(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as above
+    results = spawn(2, _hf_sharded)
+    ((want_losses, want_params, kernels),) = spawn(1, _hf_one_process)
+    assert kernels  # the patched model runs kp's kernels in one process too
+    for res in results:
+        assert res["ops"] == {"interpret"}  # every kp op a kernel, none on its reference path
+        assert res["blocks"] == ["FSDPCheckpointWrapper"] * 2  # the decoder layers, checkpointed and sharded
+        assert res["use_cache"] is False
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+        for name, p in want_params.items():
+            torch.testing.assert_close(res["params"][name], p, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -6,6 +6,8 @@ the backward (explicit prefetching: the all-gathers are issued before the comput
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -62,11 +64,22 @@ def _check(strategy, prefetch, activation_checkpointing, mesh) -> None:
             raise ValueError(f"shard: strategy {strategy!r} takes a {want}-D DeviceMesh, got {mesh!r}")
 
 
+def _no_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's KV cache: a checkpointed block recomputed in the backward would append its
+    keys and values to the cache a second time (as transformers' own gradient_checkpointing_enable does)."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)}
+    for config in configs.values():
+        config.use_cache = False
+    if configs:
+        warnings.warn("shard: activation checkpointing: use_cache set to False in the model's config", stacklevel=3)
+
+
 def _checkpointed(blocks: list[nn.Module], every, model: nn.Module) -> list[nn.Module]:
     """Wrap every k-th block ("full": all) for activation checkpointing, in place in its parent."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     k = 1 if every == "full" else every
+    _no_cache(model)
     parents = {id(child): (parent, name) for parent in model.modules() for name, child in parent.named_children()}
     out = []
     for i, block in enumerate(blocks):
