@@ -273,8 +273,11 @@ class Float8Linear(nn.Linear):
             histories = (self.amax_history_x, self.amax_history_w, self.amax_history_grad)
             first, self._history_filled = not self._history_filled, True
         y = _Float8Matmul.apply(x2, self.weight, bias, self.config, histories, first)
-        y = y[:m] if x2.shape[0] != m else y  # a 2-D input gets the matmul's own tensor, not a view (FSDP2 warns)
-        return y if x.dim() == 2 else y.reshape(*lead, self.out_features)
+        if x2.shape[0] == m and x.dim() == 2:
+            return y
+        # Unpadded and reshaped as torch.matmul does (_unsafe_view): not a view, as nn.Linear's output is not, so
+        # an in-place op on it keeps FSDP2's pre-backward hook (FSDP2 warns of a view output for that reason).
+        return torch.ops.aten._unsafe_view(y[:m], (*lead, self.out_features))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.config.recipe}, scaling={self.config.scaling}"
