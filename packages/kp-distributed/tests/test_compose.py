@@ -109,6 +109,33 @@ def test_kp_kernels_and_float8_all_gather_under_shard(tmp_path, monkeypatch):
     assert results[0]["amax_reductions"] == STEPS * 12
 
 
+def _hybrid(rank, world):
+    model = kp_distributed.shard(kp_model(), strategy="hybrid", mixed_precision=None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    all_reduce, amax_reductions = torch.distributed.all_reduce, []
+    torch.distributed.all_reduce = lambda t, op=torch.distributed.ReduceOp.SUM, **kw: (
+        amax_reductions.append(op == torch.distributed.ReduceOp.MAX) or all_reduce(t, op, **kw)
+    )
+    losses = []
+    for step in range(STEPS + 1):
+        losses += train(model, opt, 1, rank, world, first=step)
+        kp_precision.precompute_float8_scales(model)  # over the shard dim of the (replicate, shard) mesh
+    torch.distributed.all_reduce = all_reduce
+    return {"losses": losses, "amax_reductions": sum(amax_reductions)}
+
+
+def test_float8_all_gather_with_precomputed_scales_on_a_hybrid_mesh(monkeypatch):
+    """2 x 2 HSDP: the float8 scales reduced over each shard group; the ops on their PyTorch reference path (the
+    sharding is under test here, and 4 interpreted ranks on CI's 2 cores would take minutes)."""
+    monkeypatch.setenv("KP_BACKEND", "reference")
+    results = spawn(4, _hybrid)
+    ((want_losses, _),) = spawn(1, _one_process, 4)
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
+        # the first step's 12 all-gathers reduce their own amax; then one all-reduce a step for all 8 weights
+        assert res["amax_reductions"] == 12 + (STEPS + 1)
+
+
 class _Logits(torch.nn.Module):
     """A Hugging Face causal LM as tokens -> logits."""
 
