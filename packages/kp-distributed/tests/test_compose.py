@@ -3,6 +3,7 @@ SwiGLU, kp-attention's flash attention and kp-precision's float8 linears, their 
 each block compiled. Two gloo ranks train as one process does, the kernels themselves run (off-GPU under Triton's
 interpreter, as the test session sets it), and a DCP checkpoint of the float8 weights resumes on a new model."""
 
+import contextlib
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,21 +37,30 @@ def kp_model():
     return example().build(SimpleNamespace(**vars(ARGS), fp8_all_gather=True), torch.device("cpu"))
 
 
+@contextlib.contextmanager
+def max_all_reduces():
+    """Count the MAX all-reduces in the block (a list of 1s): each float8 all-gather reduces its weight's amax
+    first, unless precompute_float8_scales did it for all."""
+    all_reduce, calls = torch.distributed.all_reduce, []
+
+    def counted(tensor, op=torch.distributed.ReduceOp.SUM, **kw):
+        if op == torch.distributed.ReduceOp.MAX:
+            calls.append(1)
+        return all_reduce(tensor, op, **kw)
+
+    torch.distributed.all_reduce = counted
+    try:
+        yield calls
+    finally:
+        torch.distributed.all_reduce = all_reduce
+
+
 def _sharded(rank, world, folder):
     # compiled blocks: dynamo traces the float8 weights (tensor subclasses) and the kp ops' declarations
     model = kp_distributed.shard(kp_model(), mixed_precision=None, compile_blocks={"backend": "aot_eager"})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    # each float8 all-gather first reduces its weight's amax over the ranks: count those all-reduces
-    all_reduce, amax_reductions = torch.distributed.all_reduce, []
-
-    def counted(tensor, op=torch.distributed.ReduceOp.SUM, **kw):
-        amax_reductions.append(op == torch.distributed.ReduceOp.MAX)
-        return all_reduce(tensor, op, **kw)
-
-    torch.distributed.all_reduce = counted
-    with kp_core.record_launches() as record:
+    with kp_core.record_launches() as record, max_all_reduces() as amax_reductions:
         losses = train(model, opt, STEPS, rank, world)
-    torch.distributed.all_reduce = all_reduce
     w = model.layers[0].down.weight  # outside the forward: the sharded parameter
     ckpt = kp_distributed.Checkpointer(folder)
     ckpt.save(STEPS, model, opt)
@@ -112,15 +122,11 @@ def test_kp_kernels_and_float8_all_gather_under_shard(tmp_path, monkeypatch):
 def _hybrid(rank, world):
     model = kp_distributed.shard(kp_model(), strategy="hybrid", mixed_precision=None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    all_reduce, amax_reductions = torch.distributed.all_reduce, []
-    torch.distributed.all_reduce = lambda t, op=torch.distributed.ReduceOp.SUM, **kw: (
-        amax_reductions.append(op == torch.distributed.ReduceOp.MAX) or all_reduce(t, op, **kw)
-    )
     losses = []
-    for step in range(STEPS + 1):
-        losses += train(model, opt, 1, rank, world, first=step)
-        kp_precision.precompute_float8_scales(model)  # over the shard dim of the (replicate, shard) mesh
-    torch.distributed.all_reduce = all_reduce
+    with max_all_reduces() as amax_reductions:
+        for step in range(STEPS + 1):
+            losses += train(model, opt, 1, rank, world, first=step)
+            kp_precision.precompute_float8_scales(model)  # over the shard dim of the (replicate, shard) mesh
     return {"losses": losses, "amax_reductions": sum(amax_reductions)}
 
 
