@@ -39,6 +39,9 @@ def run(gpus: int, batch: int, *extra, restarts=0, tmp: Path) -> tuple[list[dict
     return [json.loads(line) for line in log.read_text().splitlines()], out.stdout
 
 
+PROFILED = 3  # the last steps of each run, under torch.profiler (the overlap report)
+
+
 def summary(records: list[dict]) -> dict:
     steps = [r for r in records if "step" in r]
     # after the kernels' compilation and the allocator's warm-up, and before the profiled last steps
@@ -55,7 +58,6 @@ def summary(records: list[dict]) -> dict:
     return out
 
 
-PROFILED = 3  # the last steps of each run, under torch.profiler (the overlap report)
 PARTS = {
     "scaling": [
         ("1 GPU, batch 4", 1, 4, ()),

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from kp_precision.float8 import Float8Tensor
 from kp_precision.ops.quantize import multiplier, saturating_cast
 
 E4M3 = torch.float8_e4m3fn
@@ -170,6 +171,10 @@ class Float8GatheredWeight(torch.Tensor):
 
     def __repr__(self):
         return f"Float8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale.item():g})"
+
+    def float8(self) -> Float8Tensor:
+        """The gathered weight as Float8Linear casts a weight: tensorwise data, scale and amax."""
+        return Float8Tensor(self._data, self._scale, self._amax, (0, 0))
 
     def dequantize(self) -> torch.Tensor:
         return (self._data.float() * self._scale).to(self.dtype)

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kp_precision.auto import auto_filter
-from kp_precision.float8 import Float8Tensor
 from kp_precision.fsdp import Float8AllGatherWeight, Float8GatheredWeight, plain_weight
 from kp_precision.functional import quantize, scaled_mm
 from kp_precision.ops.quantize import TRANSPOSE
@@ -138,11 +137,11 @@ class _Float8Matmul(torch.autograd.Function):
         if histories is not None:
             qx = _delayed_cast(x2, E4M3, config, histories[0], first)
             qw = _delayed_cast(weight, E4M3, config, histories[1], first, weight=True)
-        elif isinstance(weight, Float8GatheredWeight):  # FSDP2 all-gathered it in float8, with its scale
-            qx = _cast(x2, E4M3, config)
-            qw = Float8Tensor(weight._data, weight._scale, weight._amax, (0, 0))
         else:
-            qx, qw = _cast(x2, E4M3, config), _cast(weight, E4M3, config, weight=True)
+            qx = _cast(x2, E4M3, config)
+            # a weight FSDP2 all-gathered in float8 comes with its scale
+            gathered = isinstance(weight, Float8GatheredWeight)
+            qw = weight.float8() if gathered else _cast(weight, E4M3, config, weight=True)
         y = scaled_mm(
             qx.data,
             qw.data.t(),
@@ -249,9 +248,9 @@ class Float8Linear(nn.Linear):
         """A Float8Linear on linear's own parameters (no copy: optimisers and FSDP see the same tensors)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, linear.bias is not None, config=config)
-        new.weight = linear.weight
-        if new.config.fsdp_float8_all_gather:
-            new.weight = _all_gather_weight(linear.weight, new.config)
+        new.weight = (
+            _all_gather_weight(linear.weight, new.config) if new.config.fsdp_float8_all_gather else linear.weight
+        )
         new.bias = linear.bias
         if new.config.scaling == "delayed":
             for name in ("amax_history_x", "amax_history_w", "amax_history_grad"):
