@@ -1,14 +1,18 @@
 """kp_distributed on 1 and 2 GPUs: examples/train_llama.py under torchrun (NCCL), bf16 parameters with fp32
-reduction unless said otherwise, the same per-GPU batch. Two parts, each its own results:
+reduction unless said otherwise, the same per-GPU batch. Three parts, each its own results:
 
     python benchmarks/bench_distributed.py scaling   # results/<device>/distributed.{json,md,png}
     python benchmarks/bench_distributed.py compose   # results/<device>/distributed-compose.{json,md,png}
+    python benchmarks/bench_distributed.py versus    # results/<device>/distributed-versus.{json,md,png}
 
 scaling: tokens/s, scaling, peak memory and per-GPU parameter + optimizer state on 1 and 2 GPUs; a plain
 fully_shard loop on the same model; the 2-GPU loss curve against 1 GPU at the same global batch, with a float32
 run as the yardstick of bf16's own deviation; the communication hidden behind compute (a profile of the 2-GPU
 run's last steps); and a rank killed with SIGKILL mid-run, resumed by torchrun's restart from the last checkpoint.
 compose: 2 GPUs with kp's kernels (--kernels), float8 linears (--fp8 tensorwise) and float8 all-gather.
+versus: kp's shard (explicit prefetch of 1 block, the default, and 0) against the plain fully_shard loop on 2 GPUs,
+interleaved over 5 rounds: the spread between runs of one setup (up to 9 % on 2 x H200) is larger than the
+differences in question.
 """
 
 from __future__ import annotations
@@ -72,7 +76,13 @@ PARTS = {
         ("2 GPUs, kp kernels + float8", 2, 4, ("--kernels", "--fp8", "tensorwise")),
         ("2 GPUs, kp kernels + float8, float8 all-gather", 2, 4, ("--kernels", "--fp8-all-gather")),
     ],
+    "versus": [
+        ("kp shard, prefetch 1 (default)", 2, 4, ()),
+        ("kp shard, prefetch 0", 2, 4, ("--prefetch", "0")),
+        ("plain fully_shard", 2, 4, ("--baseline",)),
+    ],
 }
+ROUNDS = {"versus": 5}
 KILLED = "2 GPUs, rank 1 killed at step 15"
 
 
@@ -86,10 +96,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for name, gpus, batch, extra in PARTS[part]:
-            records, _ = run(gpus, batch, "--profile", str(PROFILED), *extra, tmp=tmp)
-            rows.append(dict(provider=name, gpus=gpus, batch=batch, flags=" ".join(extra), **summary(records)))
-            print(name, {k: v for k, v in rows[-1].items() if k != "losses"}, flush=True)
+        for round_ in range(ROUNDS.get(part, 1)):
+            for name, gpus, batch, extra in PARTS[part]:
+                records, _ = run(gpus, batch, "--profile", str(PROFILED), *extra, tmp=tmp)
+                row = dict(provider=name, gpus=gpus, batch=batch, flags=" ".join(extra), round=round_)
+                rows.append(dict(row, **summary(records)))
+                print(name, {k: v for k, v in rows[-1].items() if k != "losses"}, flush=True)
         if part == "scaling":
             ck = tmp / "ckpt"
             try:
@@ -132,7 +144,24 @@ def render(meta: dict, rows: list[dict]) -> str:
     if meta["part"] == "scaling":
         lines += _losses(rows)
         lines += _killed(rows[-1])
+    if meta["part"] == "versus":
+        lines += _versus(rows)
     return "\n".join(lines) + "\n"
+
+
+def _versus(rows: list[dict]) -> list[str]:
+    """Each setup's mean over the rounds, against the last setup's (the plain loop) of the same rounds."""
+    names = list(dict.fromkeys(r["provider"] for r in rows))
+    speed = {n: [r["tokens_per_s"] for r in rows if r["provider"] == n] for n in names}
+    base = speed[names[-1]]
+    out = ["", "Over the rounds (interleaved: each round runs every setup once, in the order above):", ""]
+    out += ["| setup | mean tokens/s | each round | x plain, mean | x plain, each round |", "|---|---|---|---|---|"]
+    for n in names:
+        mean = sum(speed[n]) / len(speed[n])
+        each = ", ".join(f"{v:.0f}" for v in speed[n])
+        ratios = ", ".join(f"{v / b:.3f}" for v, b in zip(speed[n], base))
+        out.append(f"| {n} | {mean:.0f} | {each} | {mean / (sum(base) / len(base)):.3f}x | {ratios} |")
+    return out
 
 
 def _losses(rows: list[dict]) -> list[str]:

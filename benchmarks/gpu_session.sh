@@ -3,7 +3,7 @@
 # fetched beforehand with `pip download` into .whl/), then run the steps on the machine's own torch/triton, with
 # the packages' sources on PYTHONPATH. Usage: bash benchmarks/gpu_session.sh STEP...; logs go to $OUT.
 # Steps: info, tests-PKG, conformance-TIER, spec-NAME (one spec file, KP_TIER or small), cpu, demo,
-# tune-NAME, bench-NAME. Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
+# tune-NAME, bench-NAME (WORKERS: pytest workers for tests-*, default 8). Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -20,7 +20,7 @@ for step in "$@"; do
   case $step in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
           python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" ;;
-    tests-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n 8 \
+    tests-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
                "packages/kp-${step#tests-}/tests" ;;
     conformance-*) KP_TIER=${step#conformance-} timeout "$LIMIT" python3 -m nox --no-venv -s conformance -- -n 8 ;;
     spec-*) PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=${KP_TIER:-small} timeout "$LIMIT" python3 -m pytest -q \

@@ -1,5 +1,6 @@
-"""What each rank runs in kp-distributed's tests: real processes (torch.multiprocessing, spawn) on gloo, no mocks.
-spawn(world, fn, *args) runs fn(rank, world, *args) in `world` processes and returns their results by rank."""
+"""What each rank runs in kp-distributed's tests: real processes (torch.multiprocessing, spawn) on gloo, or on NCCL
+with a GPU each where a test asks for it, no mocks. spawn(world, fn, *args) runs fn(rank, world, *args) in `world`
+processes and returns their results by rank."""
 
 from __future__ import annotations
 
@@ -51,8 +52,16 @@ def batch(step: int, rows: int = 8, seq: int = 6, vocab: int = 32):
 
 
 def loss_of(model, tokens):
+    tokens = tokens.to(device())
     logits = model(tokens[:, :-1])
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def device() -> torch.device:
+    """This rank's device: its GPU when the group runs NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def train(model, optimizer, steps, rank=0, world=1, first=0):
@@ -77,7 +86,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[kp_distributed.checkpoint._clean(name)] = t.detach().clone()
+        out[kp_distributed.checkpoint._clean(name)] = t.detach().to("cpu", copy=True)
     return out
 
 
@@ -86,13 +95,15 @@ def make(seed=0, **kw):
     return Tiny(**kw)
 
 
-def _entry(rank, world, out, fn, args):
+def _entry(rank, world, out, fn, args, backend):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
         # a file rendezvous (no port to collide with another test's), and a stuck collective fails in 60 s
         store = f"file://{Path(out) / 'store'}"
-        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=TIMEOUT)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=store, rank=rank, world_size=world, timeout=TIMEOUT)
         result = fn(rank, world, *args)
     except BaseException:
         result = {"error": traceback.format_exc()}
@@ -106,9 +117,11 @@ def _entry(rank, world, out, fn, args):
     os._exit(0)
 
 
-def spawn(world: int, fn, *args, deadline: float = 180.0) -> list:
+def spawn(world: int, fn, *args, deadline: float = 180.0, backend: str = "gloo") -> list:
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, (world, out, fn, args), nprocs=world, start_method="spawn", join=False)
+        ctx = mp.start_processes(
+            _entry, (world, out, fn, args, backend), nprocs=world, start_method="spawn", join=False
+        )
         start = time.monotonic()
         while not ctx.join(timeout=1):
             if time.monotonic() - start > deadline:

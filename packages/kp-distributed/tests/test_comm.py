@@ -32,8 +32,27 @@ def test_bf16_compression_needs_nccl():
     assert spawn(2, _bf16_on_gloo) == ["compress: 'bf16' needs NCCL (torch's hook), the group runs gloo"] * 2
 
 
+def _powersgd_on_cpu_with_cuda(rank, world):
+    model = kp_distributed.shard(make(), strategy="none", mixed_precision=None)
+    torch.cuda.is_available = lambda: True  # this worker process only: a machine with GPUs, CPU gradients
+    try:
+        kp_distributed.compress(model, "powersgd")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_powersgd_on_cpu_gradients_with_cuda_available_is_refused(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU processes on a GPU machine too
+    for message in spawn(2, _powersgd_on_cpu_with_cuda):
+        assert message.startswith("compress: 'powersgd' needs the gradients on the GPU when CUDA is available")
+
+
 @pytest.mark.parametrize("kind", ["fp16", "powersgd"])
-def test_compressed_gradients_train(kind):
+def test_compressed_gradients_train(kind, monkeypatch):
+    # CPU processes: torch's PowerSGD hook calls torch.cuda.synchronize on the gradients' device whenever CUDA is
+    # available, which fails for CPU gradients; so the workers see no GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     results = spawn(2, _compressed, kind)
     want, want_params = reference()
     # replicas stay identical: every rank applies the same all-reduced (compressed) gradient

@@ -1,7 +1,8 @@
 """shard() on a model built from the other kp packages: the example trainer's Llama with kp-norms' RMSNorm and
 SwiGLU, kp-attention's flash attention and kp-precision's float8 linears, their weights all-gathered in float8,
-each block compiled. Two gloo ranks train as one process does, the kernels themselves run (off-GPU under Triton's
-interpreter, as the test session sets it), and a DCP checkpoint of the float8 weights resumes on a new model."""
+each block compiled. Two ranks train as one process does, the kernels themselves run, and a DCP checkpoint of the
+float8 weights resumes on a new model. With 2 GPUs the ranks run on them (NCCL, compiled kernels); otherwise on
+gloo with CPU tensors, the kernels under Triton's interpreter."""
 
 import contextlib
 import importlib.util
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 import kp_distributed
 import pytest
 import torch
-from dist_workers import batch, full_params, loss_of, spawn, train
+from dist_workers import batch, device, full_params, loss_of, spawn, train
 
 TRAINER = Path(__file__).resolve().parents[3] / "examples" / "train_llama.py"
 kp_core = pytest.importorskip("kp_core")  # installed with the kernel packages, which this test needs
@@ -24,6 +25,17 @@ ARGS = SimpleNamespace(
     seed=0, vocab=32, dim=32, layers=2, heads=4, kv_heads=2, hidden=48, kernels=True, fp8="tensorwise"
 )
 STEPS = 2
+GPUS = torch.cuda.device_count() >= 2
+BACKEND = "nccl" if GPUS else "gloo"
+
+
+def kernels_on(monkeypatch) -> str:
+    """Where the kernels run, and the backend kp_core records for them: compiled on the GPUs, else interpreted."""
+    if GPUS:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        return "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return "interpret"
 
 
 def example():
@@ -34,7 +46,7 @@ def example():
 
 
 def kp_model():
-    return example().build(SimpleNamespace(**vars(ARGS), fp8_all_gather=True), torch.device("cpu"))
+    return example().build(SimpleNamespace(**vars(ARGS), fp8_all_gather=True), device())
 
 
 @contextlib.contextmanager
@@ -96,11 +108,10 @@ def _one_process(rank, world, parts):
 
 
 def test_kp_kernels_and_float8_all_gather_under_shard(tmp_path, monkeypatch):
-    # the kernels on the ranks' CPU tensors, under the interpreter on a GPU machine too; the one-process run in a
-    # process of its own, on the same path
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    results = spawn(2, _sharded, str(tmp_path / "ckpt"))
-    ((want_losses, want_params),) = spawn(1, _one_process, 2)
+    # the one-process run in a process of its own, on the same device and path
+    kernels = kernels_on(monkeypatch)
+    results = spawn(2, _sharded, str(tmp_path / "ckpt"), backend=BACKEND)
+    ((want_losses, want_params),) = spawn(1, _one_process, 2, backend=BACKEND)
     for res in results:
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses[:STEPS]), rtol=1e-5, atol=1e-6)
         for name, p in want_params.items():
@@ -112,7 +123,9 @@ def test_kp_kernels_and_float8_all_gather_under_shard(tmp_path, monkeypatch):
     ops = {"norm", "flash_attention", "glu", "quantize", "scaled_mm", "transpose"}
     ops |= {f"{op}_backward" for op in ("norm", "flash_attention", "glu")}
     assert {op for op, _ in results[0]["ops"]} == {f"kp::{op}" for op in ops}
-    assert "reference" not in {backend for _, backend in results[0]["ops"]}
+    # (on a GPU, scaled_mm takes cuBLAS's float8 matmul where the shape suits it: recorded as "library")
+    backends = {backend for _, backend in results[0]["ops"]}
+    assert kernels in backends and backends <= {kernels, "library"}
     assert results[0]["weight"] == "DTensor(Float8AllGatherWeight)"
     # per step: the 8 float8 weights (4 a block) gathered for the forward, block 0's 4 again for the backward (the
     # last block stays gathered)
@@ -173,7 +186,7 @@ def hf_patched():
     lm = transformers.LlamaForCausalLM(config)
     kp_norms.patch(lm)
     kp_attention.patch(lm)
-    return _Logits(lm)
+    return _Logits(lm).to(device())
 
 
 def _hf_sharded(rank, world):
@@ -201,12 +214,12 @@ def _hf_one_process(rank, world):
 
 def test_hugging_face_model_patched_by_kp_norms_and_kp_attention_under_shard(monkeypatch):
     pytest.importorskip("transformers")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as above
-    results = spawn(2, _hf_sharded)
-    ((want_losses, want_params, kernels),) = spawn(1, _hf_one_process)
+    backend = kernels_on(monkeypatch)  # as above
+    results = spawn(2, _hf_sharded, backend=BACKEND)
+    ((want_losses, want_params, kernels),) = spawn(1, _hf_one_process, backend=BACKEND)
     assert kernels  # the patched model runs kp's kernels in one process too
     for res in results:
-        assert res["ops"] == {"interpret"}  # every kp op a kernel, none on its reference path
+        assert res["ops"] == {backend}  # every kp op a kernel, none on its reference path
         assert res["blocks"] == ["FSDPCheckpointWrapper"] * 2  # the decoder layers, checkpointed and sharded
         assert res["use_cache"] is False
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)

@@ -20,7 +20,8 @@ def torchrun(tmp, name, *extra, restarts=0):
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(TRAINER), "--steps", "8"]
     cmd += [*SMALL.split(), "--log-every", "1", "--log-file", str(log), "--save-every", "2"]
     cmd += ["--ckpt", str(tmp / name), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # CPU processes on a GPU machine too: the exact loss equality below needs deterministic kernels
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]

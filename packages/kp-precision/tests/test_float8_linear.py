@@ -15,11 +15,11 @@ import kp_precision
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def train(model, steps=200, seed=0):
+def train(model, steps=200, seed=0, foreach=None):
     """Adam on a fixed synthetic regression (a random two-layer teacher); the loss of each step."""
     g = torch.Generator().manual_seed(seed)
     teacher = torch.randn(64, 32, generator=g).to(DEVICE) / 8
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3, foreach=foreach)
     losses = []
     for _ in range(steps):
         x = torch.randn(48, 64, generator=g).to(DEVICE)
@@ -72,7 +72,9 @@ def test_float8_all_gather_weight_without_fsdp_trains_as_the_plain_weight(tmp_pa
     wrapped = kp_precision.convert_to_float8_training(copy.deepcopy(model), config=config)
     assert isinstance(wrapped[0].weight, kp_precision.Float8AllGatherWeight)
     assert isinstance(wrapped[0].weight, nn.Parameter)
-    assert train(wrapped, steps=3) == train(plain, steps=3)
+    # One Adam implementation for both: on CUDA, Adam picks foreach for plain tensors only, and foreach rounds
+    # differently from the per-tensor loop a subclass weight gets (on an H100: 1 ulp in 12 % of the weights).
+    assert train(wrapped, steps=3, foreach=False) == train(plain, steps=3, foreach=False)
     state = wrapped.state_dict()
     assert all(type(t) is torch.Tensor for t in state.values())
     torch.save(state, tmp_path / "w.pt")

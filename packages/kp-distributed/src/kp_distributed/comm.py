@@ -8,6 +8,7 @@ across replicas (the hierarchical reduction), so only 1/shard of the gradient cr
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -32,6 +33,13 @@ def compress(ddp_model: nn.Module, kind: str = "bf16", *, rank: int = 4, start_i
     group = ddp_model.process_group
     if kind == "bf16" and dist.get_backend(group) != "nccl":
         raise ValueError(f"compress: 'bf16' needs NCCL (torch's hook), the group runs {dist.get_backend(group)}")
+    if kind == "powersgd" and torch.cuda.is_available() and any(not p.is_cuda for p in ddp_model.parameters()):
+        # caught here: the hook itself fails in the backward, with an error about devices that names no cause
+        raise ValueError(
+            "compress: 'powersgd' needs the gradients on the GPU when CUDA is available (torch's hook calls "
+            "torch.cuda.synchronize on the gradients' device); move the model to its GPU, or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES='') to train on CPU processes"
+        )
     if kind == "bf16":
         ddp_model.register_comm_hook(group, default_hooks.bf16_compress_hook)
         return None
