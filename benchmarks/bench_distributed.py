@@ -156,13 +156,14 @@ def _versus(rows: list[dict]) -> list[str]:
     names = list(dict.fromkeys(r["provider"] for r in rows))
     speed = {n: [r["tokens_per_s"] for r in rows if r["provider"] == n] for n in names}
     base = speed[names[-1]]
+    base_mean = sum(base) / len(base)
     out = ["", "Over the rounds (interleaved: each round runs every setup once, starting one setup further on):", ""]
     out += ["| setup | mean tokens/s | each round | x plain, mean | x plain, each round |", "|---|---|---|---|---|"]
     for n in names:
         mean = sum(speed[n]) / len(speed[n])
         each = ", ".join(f"{v:.0f}" for v in speed[n])
         ratios = ", ".join(f"{v / b:.3f}" for v, b in zip(speed[n], base))
-        out.append(f"| {n} | {mean:.0f} | {each} | {mean / (sum(base) / len(base)):.3f}x | {ratios} |")
+        out.append(f"| {n} | {mean:.0f} | {each} | {mean / base_mean:.3f}x | {ratios} |")
     return out
 
 
