@@ -10,9 +10,9 @@ fully_shard loop on the same model; the 2-GPU loss curve against 1 GPU at the sa
 run as the yardstick of bf16's own deviation; the communication hidden behind compute (a profile of the 2-GPU
 run's last steps); and a rank killed with SIGKILL mid-run, resumed by torchrun's restart from the last checkpoint.
 compose: 2 GPUs with kp's kernels (--kernels), float8 linears (--fp8 tensorwise) and float8 all-gather.
-versus: kp's shard (explicit prefetch of 1 block, the default, and 0) against the plain fully_shard loop on 2 GPUs,
-interleaved over 5 rounds: the spread between runs of one setup (up to 9 % on 2 x H200) is larger than the
-differences in question.
+versus: kp's shard (explicit prefetch of 1 block, the default, and 0) against torchtitan's recipe and the plain
+fully_shard loop, written out by hand, on 2 GPUs; 80 steps each, interleaved over 4 rounds: the spread between
+30-step runs of one setup (up to 9 % on 2 x H200) was larger than the differences in question.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ import torch
 
 TRAINER = Path(__file__).resolve().parent.parent / "examples" / "train_llama.py"
 MODEL = "--vocab 32000 --dim 2048 --layers 8 --heads 16 --kv-heads 4 --hidden 5632 --seq 2048"
-STEPS = 30
+STEPS = {"versus": 80}
+RUN_STEPS = 30  # the other parts'
 
 
-def run(gpus: int, batch: int, *extra, restarts=0, tmp: Path) -> tuple[list[dict], str]:
+def run(gpus: int, batch: int, *extra, restarts=0, tmp: Path, steps=RUN_STEPS) -> tuple[list[dict], str]:
     log = tmp / f"log-{len(list(tmp.iterdir()))}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", f"--max-restarts={restarts}"]
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(TRAINER), *MODEL.split()]
-    cmd += ["--steps", str(STEPS), "--batch", str(batch), "--log-every", "5", "--log-file", str(log), *extra]
+    cmd += ["--steps", str(steps), "--batch", str(batch), "--log-every", "5", "--log-file", str(log), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=os.environ)
     if out.returncode != 0:
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-2000:])
@@ -46,10 +47,10 @@ def run(gpus: int, batch: int, *extra, restarts=0, tmp: Path) -> tuple[list[dict
 PROFILED = 3  # the last steps of each run, under torch.profiler (the overlap report)
 
 
-def summary(records: list[dict]) -> dict:
+def summary(records: list[dict], total: int) -> dict:
     steps = [r for r in records if "step" in r]
     # after the kernels' compilation and the allocator's warm-up, and before the profiled last steps
-    timed = [r for r in steps if 10 < r["step"] <= STEPS - PROFILED]
+    timed = [r for r in steps if 10 < r["step"] <= total - PROFILED]
     out = {
         "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
         "memory_gib": max(r["memory_gib"] for r in steps),
@@ -79,10 +80,11 @@ PARTS = {
     "versus": [
         ("kp shard, prefetch 1 (default)", 2, 4, ()),
         ("kp shard, prefetch 0", 2, 4, ("--prefetch", "0")),
+        ("torchtitan's recipe", 2, 4, ("--baseline", "torchtitan")),
         ("plain fully_shard", 2, 4, ("--baseline",)),
     ],
 }
-ROUNDS = {"versus": 5}
+ROUNDS = {"versus": 4}
 KILLED = "2 GPUs, rank 1 killed at step 15"
 
 
@@ -93,16 +95,16 @@ def main() -> None:
     harness.require_gpu()
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_distributed: needs 2 GPUs")
-    rows = []
+    rows, steps = [], STEPS.get(part, RUN_STEPS)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         setups = PARTS[part]
         for round_ in range(ROUNDS.get(part, 1)):
             # each round starts one setup further on, so that no setup always runs first (after the idle gap)
             for name, gpus, batch, extra in setups[round_ % len(setups) :] + setups[: round_ % len(setups)]:
-                records, _ = run(gpus, batch, "--profile", str(PROFILED), *extra, tmp=tmp)
+                records, _ = run(gpus, batch, "--profile", str(PROFILED), *extra, tmp=tmp, steps=steps)
                 row = dict(provider=name, gpus=gpus, batch=batch, flags=" ".join(extra), round=round_)
-                rows.append(dict(row, **summary(records)))
+                rows.append(dict(row, **summary(records, steps)))
                 print(name, {k: v for k, v in rows[-1].items() if k != "losses"}, flush=True)
         if part == "scaling":
             ck = tmp / "ckpt"
@@ -116,7 +118,7 @@ def main() -> None:
             except RuntimeError as err:  # reported, not dropped: the other rows still get written
                 rows.append(dict(provider=KILLED, failed=str(err)[-1500:]))
             print(rows[-1], flush=True)
-    meta = {"kernel": "distributed", "part": part, "model": MODEL, "steps": STEPS}
+    meta = {"kernel": "distributed", "part": part, "model": MODEL, "steps": steps}
     harness.publish("distributed" if part == "scaling" else f"distributed-{part}", meta, rows, render, plot)
 
 

@@ -123,7 +123,13 @@ def parse(argv=None):
     p.add_argument("--log-file", default=None, help="append one JSON line per logged step")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--die-at", type=int, default=None)
-    p.add_argument("--baseline", action="store_true", help="a plain fully_shard loop instead of kp_distributed.shard")
+    p.add_argument(
+        "--baseline",
+        nargs="?",
+        const="plain",
+        choices=("plain", "torchtitan"),
+        help="shard by hand instead of with kp_distributed.shard: a plain fully_shard loop, or torchtitan's recipe",
+    )
     p.add_argument("--kernels", action="store_true", help="kp-norms' and kp-attention's kernels in the blocks")
     p.add_argument("--fp8", default="none", choices=("none", "tensorwise", "rowwise", "blockwise"))
     p.add_argument("--fp8-all-gather", action="store_true", help="all-gather the float8 weights in float8")
@@ -152,14 +158,20 @@ def local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def plain_fully_shard(model, mp):
-    """The comparison: the hand-written loop (torchtitan's recipe without its tuning): each block, then the root."""
+def hand_sharded(model, mp, recipe):
+    """The comparisons, written out by hand. plain: each block, then the root. torchtitan: its Llama recipe (as of
+    2026): the embedding, each block, the final norm with the head (not resharded after the forward), the root; no
+    explicit prefetch."""
     from kp_distributed.shard import mp_policy
     from torch.distributed.fsdp import fully_shard
 
     policy = mp_policy(mp)  # the same dtypes as kp's run
+    if recipe == "torchtitan":
+        fully_shard(model.embed, mp_policy=policy, reshard_after_forward=True)
     for block in model.layers:
-        fully_shard(block, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=True)
+    if recipe == "torchtitan":
+        fully_shard([model.norm, model.head], mp_policy=policy, reshard_after_forward=False)
     fully_shard(model, mp_policy=policy)
     return model
 
@@ -192,7 +204,7 @@ def main(argv=None) -> None:
     ac = None if args.ac == "none" else ("full" if args.ac == "full" else int(args.ac))
     mp = None if args.mp == "none" else tuple(args.mp.split(","))
     if args.baseline:
-        model = plain_fully_shard(model, mp)
+        model = hand_sharded(model, mp, args.baseline)
     else:
         model = kp_distributed.shard(
             model,

@@ -31,19 +31,22 @@ class Block(nn.Module):
 
 
 class Tiny(nn.Module):
-    """A transformer-shaped model: embedding, a ModuleList of blocks, head."""
+    """A transformer-shaped model: embedding, a ModuleList of blocks, final norm, head."""
 
-    def __init__(self, dim=16, layers=3, vocab=32):
+    def __init__(self, dim=16, layers=3, vocab=32, tied=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
+        if tied:  # the head's weight is the embedding's, as in GPT-2
+            self.head.weight = self.embed.weight
 
     def forward(self, tokens):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(x)
+        return self.head(self.norm(x))
 
 
 def batch(step: int, rows: int = 8, seq: int = 6, vocab: int = 32):

@@ -4,20 +4,23 @@ on the whole batch, with every option, and bad arguments fail alike on every ran
 import kp_distributed
 import pytest
 import torch
-from dist_workers import full_params, make, spawn, train
+from dist_workers import batch, full_params, loss_of, make, spawn, train
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 STEPS = 3
 
 
-def reference(steps=STEPS, first=0):
-    model = make()
+def reference(steps=STEPS, first=0, **model_kw):
+    model = make(**model_kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return train(model, opt, steps, first=first), full_params(model)
 
 
 def _sharded(rank, world, kw):
-    model = kp_distributed.shard(make(), **kw)
+    from torch.distributed.fsdp import FSDPModule
+
+    kw = dict(kw)
+    model = kp_distributed.shard(make(**kw.pop("model", {})), **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = train(model, opt, STEPS, rank, world)
     w = model.layers[-1].up.weight if hasattr(model, "layers") else model.module.layers[-1].up.weight
@@ -28,11 +31,12 @@ def _sharded(rank, world, kw):
         "mesh": None if mesh is None else (tuple(mesh.shape), mesh.mesh_dim_names),
         "local_rows": w.to_local().shape[0] if hasattr(w, "to_local") else w.shape[0],
         "checkpointed": [isinstance(m, CheckpointWrapper) for m in getattr(model, "layers", [])],
+        "units": [isinstance(getattr(model, name, None), FSDPModule) for name in ("embed", "norm", "head")],
     }
 
 
-def assert_same_training(results, rtol=1e-5, atol=1e-6):
-    want_losses, want_params = reference()
+def assert_same_training(results, rtol=1e-5, atol=1e-6, **model_kw):
+    want_losses, want_params = reference(**model_kw)
     for res in results:
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses), rtol=rtol, atol=atol)
         for name, p in want_params.items():
@@ -44,6 +48,48 @@ def test_full_sharding_trains_as_one_process_on_the_whole_batch():
     assert_same_training(results)
     assert results[0]["mesh"] == ((2,), ("shard",))
     assert results[0]["local_rows"] == 16  # (32, 16) weight: half on each rank
+    assert results[0]["units"] == [True, True, True]  # the embedding, and the norm + head: units of their own
+
+
+def test_a_head_tied_to_the_embedding_stays_with_the_root():
+    results = spawn(2, _sharded, dict(mixed_precision=None, model=dict(tied=True)))
+    assert_same_training(results, tied=True)
+    assert results[0]["units"] == [False, False, False]
+
+
+def _all_gathers(rank, world, kw):
+    """FSDP units all-gathered in the forward and in the backward of the second step (the first settles FSDP).
+    Counted at FSDP2's one call per unit (a private name, stable since torch 2.6): the collective it then calls
+    differs between torch versions."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    model = kp_distributed.shard(make(layers=4), mixed_precision=None, **kw)
+    count = [0]
+    real = group.foreach_all_gather
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    group.foreach_all_gather = counted
+    try:
+        for step in range(2):
+            count[0] = 0
+            loss = loss_of(model, batch(step).chunk(world)[rank])
+            forward = count[0]
+            loss.backward()
+    finally:
+        group.foreach_all_gather = real
+    return forward, count[0] - forward
+
+
+def test_the_all_gathers_each_step():
+    # forward: the embedding, 4 blocks, the norm + head unit (the root holds no parameters). Backward: the head
+    # unit and the last block are kept from the forward, and the embedding's backward needs no weight, so only
+    # blocks 0-2 are gathered again.
+    assert spawn(2, _all_gathers, {}) == [(6, 3)] * 2
+    # without resharding after the forward nothing is gathered twice
+    assert spawn(2, _all_gathers, dict(reshard_after_forward=False)) == [(6, 0)] * 2
 
 
 def test_hybrid_sharding_on_a_2x2_mesh():
