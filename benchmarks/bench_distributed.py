@@ -11,8 +11,9 @@ run as the yardstick of bf16's own deviation; the communication hidden behind co
 run's last steps); and a rank killed with SIGKILL mid-run, resumed by torchrun's restart from the last checkpoint.
 compose: 2 GPUs with kp's kernels (--kernels), float8 linears (--fp8 tensorwise) and float8 all-gather.
 versus: kp's shard (explicit prefetch of 1 block, the default, and 0) against torchtitan's recipe and the plain
-fully_shard loop, written out by hand, on 2 GPUs; 80 steps each, interleaved over 4 rounds: the spread between
-30-step runs of one setup (up to 9 % on 2 x H200) was larger than the differences in question.
+fully_shard loop, written out by hand, on 2 GPUs; 80 steps each, interleaved over 4 rounds (`versus N`: N rounds,
+`versus N quick`: without prefetch 0): the spread between 30-step runs of one setup (up to 9 % on 2 x H200) was
+larger than the differences in question.
 """
 
 from __future__ import annotations
@@ -96,10 +97,11 @@ def main() -> None:
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench_distributed: needs 2 GPUs")
     rows, steps = [], STEPS.get(part, RUN_STEPS)
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else ROUNDS.get(part, 1)
+    setups = [s for s in PARTS[part] if not ("quick" in sys.argv[3:] and "prefetch 0" in s[0])]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        setups = PARTS[part]
-        for round_ in range(ROUNDS.get(part, 1)):
+        for round_ in range(rounds):
             # each round starts one setup further on, so that no setup always runs first (after the idle gap)
             for name, gpus, batch, extra in setups[round_ % len(setups) :] + setups[: round_ % len(setups)]:
                 records, _ = run(gpus, batch, "--profile", str(PROFILED), *extra, tmp=tmp, steps=steps)

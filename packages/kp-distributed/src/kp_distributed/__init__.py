@@ -11,7 +11,7 @@ ckpt.save(step, model, optimizer)
 from kp_distributed.checkpoint import Checkpointer, export, fingerprint
 from kp_distributed.comm import compress, kernel_intervals, overlap
 from kp_distributed.mesh import STRATEGIES, init, make_mesh
-from kp_distributed.shard import find_blocks, outer_units, shard
+from kp_distributed.shard import find_blocks, shard
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,6 @@ __all__ = [
     "compress",
     "export",
     "find_blocks",
-    "outer_units",
     "fingerprint",
     "init",
     "kernel_intervals",

@@ -1,8 +1,8 @@
 """shard(): torchtitan's FSDP2 recipe in one call. Per transformer block, in this order: activation checkpointing,
-torch.compile, fully_shard; then the modules outside the blocks (outer_units); then the root module. The last block
-is not resharded after the forward (the backward needs it at once), and each block prefetches the next blocks'
-parameters in the forward and the previous ones in the backward (explicit prefetching: the all-gathers are issued
-before the compute that would otherwise wait).
+torch.compile, fully_shard; then the root module. The last block and the root are not resharded after the forward
+(the backward needs them at once), and each block prefetches the next blocks' parameters in the forward and the
+previous ones in the backward (explicit prefetching: the all-gathers are issued before the compute that would
+otherwise wait).
 """
 
 from __future__ import annotations
@@ -28,31 +28,6 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
             if len({type(m) for m in entries}) == 1 and any(True for _ in entries[0].parameters()):
                 best = entries
     return best
-
-
-def outer_units(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
-    """The modules with parameters outside the blocks, in two FSDP units as torchtitan shards them: the embeddings
-    (nn.Embedding) and the rest (the final norm and the output head). Left with the root, the head's gradients
-    would be reduce-scattered only after the whole backward, with nothing left to hide it behind, and the head's
-    all-gather would delay the first block. ([], []) when a parameter is shared between the two groups (an output
-    head tied to the embedding): they stay with the root, which gathers them once for both uses."""
-    inside = {id(m) for block in blocks for m in block.modules()}
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if id(child) in inside:
-                continue
-            if any(id(m) in inside for m in child.modules()):
-                visit(child)  # holds blocks (model.layers, an HF model's inner model): the units are further in
-            elif any(True for _ in child.parameters()):
-                found.append(child)
-
-    visit(model)
-    embeddings = [m for m in found if isinstance(m, nn.Embedding)]
-    rest = [m for m in found if not isinstance(m, nn.Embedding)]
-    tied = {id(p) for m in embeddings for p in m.parameters()} & {id(p) for m in rest for p in m.parameters()}
-    return ([], []) if tied else (embeddings, rest)
 
 
 def mp_policy(mixed_precision):
@@ -145,8 +120,6 @@ def shard(
     activation_checkpointing: None, "full" (every block) or k (every k-th block). compile_blocks: True, or a dict
     of torch.compile options, compiles each block. offload: parameters, gradients and optimizer state on the
     CPU (FSDP2's CPUOffloadPolicy). blocks: the transformer blocks, when find_blocks cannot find them.
-    The modules outside the blocks get their own units (outer_units): the embeddings, and the final norm with
-    the output head, which is not resharded after the forward; the root holds what is left.
     """
     _check(strategy, prefetch, activation_checkpointing, mesh)
     policy = mp_policy(mixed_precision)
@@ -172,23 +145,13 @@ def shard(
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard_after_forward and not last, **kw)
-    embeddings, rest = outer_units(model, blocks)
-    if embeddings:
-        unit = fully_shard(
-            embeddings if len(embeddings) > 1 else embeddings[0], reshard_after_forward=reshard_after_forward, **kw
-        )
-        if reshard_after_forward and all(type(m).forward is nn.Embedding.forward for m in embeddings):
-            # an embedding's backward needs the indices, not the weight: no all-gather for it (a subclass with its
-            # own forward may use the weight otherwise, so it keeps the all-gather)
-            unit.set_unshard_in_backward(False)
-    if rest:
-        # the backward starts with them: kept whole from the forward (torchtitan's default)
-        fully_shard(rest if len(rest) > 1 else rest[0], reshard_after_forward=False, **kw)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    # the root (embeddings, final norm, head) is never resharded after the forward: the backward starts with it.
+    # FSDP2 does so by itself only when the root's reshard_after_forward is left unset; set to True (torch 2.11 and
+    # 2.13 obey it), the root would be all-gathered again at once, which cost about 1 % of a step on 2 x H100.
+    fully_shard(model, reshard_after_forward=False, **kw)
     if prefetch:
-        forward = blocks + rest[:1]  # the norm + head unit runs after the last block (one module names the unit)
         for i, block in enumerate(blocks):
-            ahead = forward[i + 1 : i + 1 + prefetch]
+            ahead = blocks[i + 1 : i + 1 + prefetch]
             behind = blocks[max(0, i - prefetch) : i][::-1]
             if ahead:
                 block.set_modules_to_forward_prefetch(ahead)
