@@ -54,8 +54,8 @@ def test_a_head_tied_to_the_embedding():
 
 def _all_gathers(rank, world, kw):
     """FSDP units all-gathered in the forward and in the backward of the second step (the first settles FSDP).
-    Counted at FSDP2's one call per unit (a private name, stable since torch 2.6): the collective it then calls
-    differs between torch versions."""
+    Counted at FSDP2's one call per unit (a private name, there in torch 2.11 and 2.13): the collective it then
+    calls differs between torch versions."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
 
     model = kp_distributed.shard(make(layers=4), mixed_precision=None, **kw)
