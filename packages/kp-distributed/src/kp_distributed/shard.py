@@ -116,6 +116,8 @@ def shard(
     parameters' dtype. The optimizer steps the sharded parameters in their own dtype (fp32 for an fp32 model).
     With strategy="none" it is checked and not applied: DDP computes in the parameters' dtype (use autocast, and
     kp_distributed.compress for the gradients' all-reduce).
+    reshard_after_forward: free each block's gathered parameters after its forward, to gather them again in the
+    backward (False: keep them, more memory, fewer all-gathers); the last block and the root are kept either way.
     prefetch: how many blocks ahead each block's all-gather is issued (0: FSDP2's implicit prefetch only).
     activation_checkpointing: None, "full" (every block) or k (every k-th block). compile_blocks: True, or a dict
     of torch.compile options, compiles each block. offload: parameters, gradients and optimizer state on the
