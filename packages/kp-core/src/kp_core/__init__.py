@@ -22,6 +22,7 @@ from kp_core.constants import GELU_TANH_CUBIC, INV_SQRT_2PI, LN2, LOG2E, SQRT1_2
 from kp_core.launch_config import (
     MAX_FUSED_COLS,
     RowConfig,
+    cdiv,
     next_power_of_2,
     persistent_programs,
     row_config,
@@ -61,6 +62,7 @@ __all__ = [
     "LaunchRecord",
     "Op",
     "RowConfig",
+    "cdiv",
     "check_index_fits",
     "check_same_device",
     "check_same_dtype",

@@ -29,6 +29,11 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers (b > 0), exact at any size (no float): blocks needed to cover a items."""
+    return -(-a // b)
+
+
 def row_config(op: str, n_cols: int, element_size: int) -> RowConfig:
     """Pick block shape and warps for a row-wise kernel.
 
