@@ -3,6 +3,7 @@
     python benchmarks/bench_attention.py            # every case below, writes results/<device>/attention.*
     python benchmarks/bench_attention.py --quick    # S = 4096 only
     python benchmarks/bench_attention.py --tune     # sweep kp's tile settings (bf16, D 128), print the best
+    python benchmarks/bench_attention.py --providers kp   # only these providers: printed, results/ left as it is
 
 TFLOP/s count the useful multiply-adds: forward 4 * B * H * D * (visible query-key pairs), forward+backward
 3.5x that (FlashAttention's convention: backward = 2.5 forward). KV-cache decoding: benchmarks/bench_decode.py.
@@ -127,9 +128,9 @@ def time_ms(fn, q, k, v, causal: bool, window: int, mode: str) -> float:
     return harness.bench_ms(lambda: fn(q, k, v, causal, window).backward(do), grad_to_none=[q, k, v])
 
 
-def run_dense(quick: bool) -> list[dict]:
+def run_dense(quick: bool, only: list[str] | None = None) -> list[dict]:
     rows = []
-    provs = providers()
+    provs = {name: fn for name, fn in providers().items() if not only or name in only or name == "kp"}
     for c in harness.progress(cases(quick), "attention"):
         b, s, hq, hkv, causal, window = c["b"], c["s"], c["hq"], c["hkv"], bool(c["causal"]), c["window"]
         q, k, v = (
@@ -237,15 +238,19 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-seq", type=int, default=4096, help="with --tune: the sequence length")
     parser.add_argument("--tune-kernels", nargs="*", help="with --tune: only these kernels (e.g. _attn_bwd_dq)")
+    parser.add_argument("--providers", nargs="+", help="time only these (kp always, to check correctness)")
     args = parser.parse_args()
     harness.require_gpu()
     if args.tune:
         tune(args.tune_kernels, args.tune_seq)
         return
     torch._dynamo.config.cache_size_limit = 64
-    dense = run_dense(args.quick)
+    dense = run_dense(args.quick, args.providers)
     meta = {"kernel": "attention", "dtype": "bfloat16", "head_dim": HEAD_DIM, **harness.versions()}
     md = render(meta, dense)
+    if args.providers:  # a partial table (e.g. kp alone, to compare two versions of its kernels) is not the record
+        print(md)
+        return
     out = harness.write_results("attention", meta, dense, md, lambda path: plot(dense, meta, path))
     print(md)
     print(f"wrote {out}/attention.*")

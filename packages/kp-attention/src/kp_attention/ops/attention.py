@@ -2,10 +2,11 @@
 
 kp::flash_attention takes dense (B, S, H, D) tensors with any strides, (B, H, S, D) views (SDPA) included, and an
 optional mask; kp::flash_attention_varlen takes packed (total, H, D) tensors with cu_seqlens. One launcher pair
-serves both; the maths and the kernels are in kp_attention.ops.attention_kernels.
+serves both; the maths and the shared Triton helpers are in kp_attention.ops.attention_blocks, the kernels in
+attention_fwd_kernels and attention_bwd_kernels; the spec is conformance/specs/test_attention.py.
 
 fp16/bf16 use tensor-core dots with fp32 accumulation; fp32 inputs use exact products (no TF32) summed in fp64
-per block (attention_kernels._dot; fp32 FMA chains on Triton < 3.5), a correctness path rather than a fast one.
+per block (attention_blocks.dot; fp32 FMA chains on Triton < 3.5), a correctness path rather than a fast one.
 """
 
 import dataclasses
@@ -18,7 +19,8 @@ import torch
 import kp_core
 
 if kp_core.has_triton():
-    from kp_attention.ops import attention_kernels as kernels
+    from kp_attention.ops import attention_bwd_kernels as bwd_kernels
+    from kp_attention.ops import attention_fwd_kernels as fwd_kernels
 
 OP = "kp::flash_attention"
 OP_BWD = f"{OP}_backward"
@@ -54,7 +56,7 @@ _HALF = {
     256: {"_attn_fwd": (128, 32, 8, 2), "_attn_bwd_dkdv": (32, 32, 8, 2), "_attn_bwd_dq": (64, 32, 8, 2)},
 }
 
-# fp32 (dots summed in fp64, attention_kernels._dot): a correctness path, so small tiles that ptxas (sm_90a, Triton
+# fp32 (dots summed in fp64, attention_blocks.dot): a correctness path, so small tiles that ptxas (sm_90a, Triton
 # 3.6) compiles in about 2 s per kernel with no or few spills; larger ones compile slower and spill.
 _FP32 = {
     64: {"_attn_fwd": (32, 32, 4, 2), "_attn_bwd_dkdv": (16, 32, 4, 1), "_attn_bwd_dq": (32, 32, 4, 1)},
@@ -95,7 +97,7 @@ def _mask_args(mask: Optional[torch.Tensor], b: int, h: int, sq: int, sk: int, d
     """(tensor, 4 broadcast strides, kind): kind 0 none, 1 boolean (read as uint8), 2 additive float.
 
     fp32 inputs take a boolean mask as the additive one it equals (0 / -inf; s + 0 is s exactly): Triton 3.6 fails
-    to lower a uint8 tile into the fp64 dot layout of the fp32 path (attention_kernels._dot)."""
+    to lower a uint8 tile into the fp64 dot layout of the fp32 path (attention_blocks.dot)."""
     if mask is None:
         return None, (0, 0, 0, 0), 0
     if mask.dtype == torch.bool and dtype == torch.float32:
@@ -108,8 +110,8 @@ def _mask_args(mask: Optional[torch.Tensor], b: int, h: int, sq: int, sk: int, d
 
 
 def _score_args(p: Params, dtype: torch.dtype) -> tuple[float, float, float]:
-    """(qk_scale, sc_in, sc_out): the scale in the scores' units (base 2, natural for fp32: attention_kernels._exp),
-    and the softcap constants of attention_kernels._scores."""
+    """(qk_scale, sc_in, sc_out): the scale in the scores' units (base 2, natural for fp32: attention_blocks.score_exp),
+    and the softcap constants of attention_blocks.scores."""
     unit = 1.0 if dtype == torch.float32 else kp_core.LOG2E
     if p.softcap > 0:
         return p.scale * unit, 2.0 * kp_core.LOG2E * p.scale / p.softcap, p.softcap * unit
@@ -278,11 +280,11 @@ def _forward(op, q, k, v, mask, cu_q, cu_k, p: Params):
         p.window_left,
         p.window_right,
     )
-    grid = (-(-sq // tiles["block_m"]), hq, b)
+    grid = (kp_core.cdiv(sq, tiles["block_m"]), hq, b)
     kp_core.launch(
         op,
         backend,
-        kernels._attn_fwd,
+        fwd_kernels._attn_fwd,
         grid,
         args,
         _switches(p, d, varlen, mask_kind, q.dtype, tiles),
@@ -308,7 +310,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     lse = lse.contiguous()
     ieee = q.dtype == torch.float32
-    # the fp32 path's delta is subtracted from fp64 dP (attention_kernels._dq_block): kept in fp64
+    # the fp32 path's delta is subtracted from fp64 dP (attention_bwd_kernels._attn_bwd_dq): kept in fp64
     delta = torch.empty_like(lse, dtype=torch.float64 if ieee else torch.float32)
     # and its lse, corrected by _attn_bwd_dq so each row's P sums to 1 (the dK/dV kernel reads that one)
     lse_fix = torch.empty_like(lse, dtype=torch.float64) if ieee else lse
@@ -319,8 +321,8 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
     kp_core.launch(
         op,
         backend,
-        kernels._attn_bwd_preprocess,
-        (-(-sq // pre["block_m"]), hq, b),
+        bwd_kernels._attn_bwd_preprocess,
+        (kp_core.cdiv(sq, pre["block_m"]), hq, b),
         (
             out,
             dout,
@@ -352,8 +354,8 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
         kp_core.launch(
             op,
             backend,
-            kernels._attn_bwd_dkdv,
-            (-(-sk // tiles["block_n"]), hkv, b),
+            bwd_kernels._attn_bwd_dkdv,
+            (kp_core.cdiv(sk, tiles["block_n"]), hkv, b),
             (
                 q,
                 k,
@@ -383,8 +385,8 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
         kp_core.launch(
             op,
             backend,
-            kernels._attn_bwd_dq,
-            (-(-sq // tiles["block_m"]), hq, b),
+            bwd_kernels._attn_bwd_dq,
+            (kp_core.cdiv(sq, tiles["block_m"]), hq, b),
             (
                 q,
                 k,

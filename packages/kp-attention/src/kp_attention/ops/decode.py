@@ -66,7 +66,7 @@ def auto_num_splits(device: torch.device, programs: int, max_blocks: int) -> int
         slots = 4
     if programs >= slots:
         return 1
-    return max(1, min(-(-slots // programs), max_blocks, MAX_SPLITS))
+    return max(1, min(kp_core.cdiv(slots, programs), max_blocks, MAX_SPLITS))
 
 
 def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks):
@@ -225,13 +225,13 @@ def forward(
     block_d = max(16, kp_core.next_power_of_2(d))
     rows = group * sq
     block_m = max(16, min(MAX_BLOCK_M, kp_core.next_power_of_2(rows)))
-    m_blocks = -(-rows // block_m)
+    m_blocks = kp_core.cdiv(rows, block_m)
     programs = batch * hkv * m_blocks
     # Splits are counted in blocks of the smallest BLOCK_N (16) and capped again once the tile is known.
-    splits = num_splits if num_splits > 0 else auto_num_splits(q.device, programs, -(-capacity // 16))
+    splits = num_splits if num_splits > 0 else auto_num_splits(q.device, programs, kp_core.cdiv(capacity, 16))
     tiles = _split_settings(block_d, q.element_size(), capacity // max(1, splits))
     block_n = min(tiles["block_n"], page & -page) if paged else tiles["block_n"]  # a block of keys in one page
-    max_blocks = -(-capacity // block_n)
+    max_blocks = kp_core.cdiv(capacity, block_n)
     splits = max(1, min(splits, max_blocks, 65535))
     out = q.new_empty((batch, sq, hq, d))
     lse = q.new_empty((batch, hq, sq), dtype=torch.float32)

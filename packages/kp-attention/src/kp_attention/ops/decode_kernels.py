@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from kp_attention.ops.attention_kernels import _dot, _mm
+from kp_attention.ops.attention_blocks import dot, mm
 from kp_core.kernel_constants import LN2, LOG2E
 
 
@@ -135,8 +135,8 @@ def _decode_split(
         n_ok = offs_n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_head + k_rows[:, None], mask=kv_mask, other=0.0)
-        # fp32: the dot left unrounded (fp64) and scaled, then rounded once (attention_kernels._mm)
-        s = (_mm(q, tl.trans(k), IEEE) * sm_scale).to(tl.float32)
+        # fp32: the dot left unrounded (fp64) and scaled, then rounded once (attention_blocks.mm)
+        s = (mm(q, tl.trans(k), IEEE) * sm_scale).to(tl.float32)
         if SOFTCAP:
             # c * tanh(s / c), tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1 when exp over/underflows. The
             # subtraction cancels for small |s| (fp32 loses ~eps / |x| relative): the fp32 path takes it in fp64.
@@ -159,7 +159,7 @@ def _decode_split(
         p = _exp_units(s - m_safe[:, None], IEEE)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head + v_rows[:, None], mask=kv_mask, other=0.0)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
 
     seen = l_i > 0.0
