@@ -193,7 +193,9 @@ def at_revision(rev: str, argv: list[str]) -> dict:
         paths = ["packages/kp-attention/src", "packages/kp-core/src"]
         archive = subprocess.run(["git", "-C", ROOT, "archive", rev, *paths], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(Path(tmp) / p) for p in paths))
+        # the revision's kp-attention and kp-core first; the rest (this Triton) as in this process
+        rev_paths = [str(Path(tmp) / p) for p in paths]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([*rev_paths, os.environ.get("PYTHONPATH", "")]))
         cmd = [sys.executable, __file__, "--json", str(Path(tmp) / "out.json"), *argv]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         return json.loads((Path(tmp) / "out.json").read_text())
