@@ -14,8 +14,8 @@ import kp_conformance as kc
 import kp_core
 import kp_norms
 from kp_conformance.references import gelu64, gelu_tanh64, silu64
+from kp_core import Activation
 from kp_norms.ops import glu as glu_mod
-from kp_norms.ops.activation import Activation
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TIER = kc.current()

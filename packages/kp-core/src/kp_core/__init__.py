@@ -1,6 +1,7 @@
 """kp-core: backend choice, input checks, launch settings, kernel launches and records, op declaration, reused
-scratch buffers."""
+scratch buffers, the activations kernels fuse."""
 
+from kp_core.activation import Activation
 from kp_core.backend import (
     INTERPRET,
     REFERENCE,
@@ -45,6 +46,7 @@ from kp_core.tuning import pin, pinned, settings, unpin
 __version__ = "0.2.0"
 
 __all__ = [
+    "Activation",
     "Constexprs",
     "FLOAT_DTYPES",
     "GELU_TANH_CUBIC",

@@ -9,11 +9,12 @@ from typing import Optional
 import torch
 
 import kp_core
-from kp_norms.ops.activation import Activation, by_name
+from kp_core.activation import Activation, by_name
 from kp_norms.ops.glu import GLU, GLU_PACKED
 from kp_norms.ops.norm import ADD_NORM_, DTYPES, NORM
 
 CASTINGS = {"torch": False, "gemma": False, "llama": True}  # name -> whether n is rounded before the weight
+ACTIVATIONS = (None, "silu", "gelu", "gelu_tanh")  # the names a norm's `activation` takes
 
 
 def _is_size(d) -> bool:
@@ -79,7 +80,7 @@ def _rms_variant(name, weight, offset, casting, act) -> tuple[float, bool, int]:
         raise ValueError(f"{name}: offset must be a finite number, got {offset!r}")
     if offset != 0 and weight is None:
         raise ValueError(f"{name}: offset={offset} scales a weight, but weight is None")
-    return float(offset), CASTINGS[casting], int(by_name(name, act))
+    return float(offset), CASTINGS[casting], int(by_name(name, act, ACTIVATIONS))
 
 
 def _layer_eps(name, eps) -> float:
@@ -181,7 +182,7 @@ def layer_norm(
     optional activation ("silu", "gelu", "gelu_tanh") applied in the same kernel."""
     name = "kp_norms.layer_norm"
     n_shape = _check(name, input, normalized_shape, weight, bias, eps)
-    act = int(by_name(name, activation))
+    act = int(by_name(name, activation, ACTIVATIONS))
     return _norm(input, None, n_shape, weight, bias, _layer_eps(name, eps), False, 0.0, False, act)[0]
 
 
@@ -223,7 +224,7 @@ def add_layer_norm(
     """`(layer_norm(input + residual), input + residual)` in one pass over the last dim; see add_rms_norm."""
     name = "kp_norms.add_layer_norm"
     n_shape = _check(name, input, None, weight, bias, eps, residual)
-    act = int(by_name(name, activation))
+    act = int(by_name(name, activation, ACTIVATIONS))
     eps = _layer_eps(name, eps)
     return _norm(input, residual, n_shape, weight, bias, eps, False, 0.0, False, act, bool(in_place))
 

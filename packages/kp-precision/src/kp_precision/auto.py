@@ -1,4 +1,4 @@
-"""Which linear layers gain from float8 training, measured on the layer's own GPU once per shape.
+"""auto_filter: which linear layers gain from float8 training, measured on the layer's own GPU once per shape.
 
     model = convert_to_float8_training(model, recipe="rowwise", module_filter_fn="auto")
     # or, to choose the token count, the margin and the layers never to touch:
@@ -21,7 +21,9 @@ import warnings
 import torch
 from torch import nn
 
-from kp_precision.swap import needs_16
+from kp_precision.recipes import Float8Config
+from kp_precision.shared import unaligned
+from kp_precision.training import Float8Linear
 
 _MEASURED: dict[tuple, tuple[float, float]] = {}
 
@@ -45,8 +47,6 @@ def _step_ms(layer: nn.Module, x: torch.Tensor, iters: int = 10) -> float:
 
 def _measure(linear: nn.Linear, config, tokens: int, compiled: bool) -> tuple[float, float]:
     """(bf16 ms, float8 ms) of a training step's matmuls for linear's shape, on its device."""
-    from kp_precision.training import Float8Linear
-
     w, k, n, bias = linear.weight, linear.in_features, linear.out_features, linear.bias is not None
     act = torch.float16 if w.dtype == torch.float16 else torch.bfloat16
     dense = nn.Linear(k, n, bias=bias, device=w.device, dtype=act)
@@ -76,8 +76,6 @@ def auto_filter(recipe="tensorwise", *, tokens: int = 8192, min_speedup: float =
     `recipe`: a recipe name or a Float8Config (the one the conversion will use); `tokens`: rows of input per
     step (batch x sequence); `min_speedup`: how much faster the float8 step must be; `skip`: substrings of
     layer names never converted (e.g. "lm_head"); `compiled`: time both forms under torch.compile."""
-    from kp_precision.training import Float8Config
-
     config = recipe if isinstance(recipe, Float8Config) else Float8Config(recipe=recipe)
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"auto_filter: tokens must be a positive int, got {tokens!r}")
@@ -94,7 +92,7 @@ def auto_filter(recipe="tensorwise", *, tokens: int = 8192, min_speedup: float =
                 warnings.warn("auto_filter: measures on a CUDA device; layers elsewhere stay nn.Linear", stacklevel=2)
                 warned.append(True)
             return False
-        if needs_16(module):
+        if unaligned(module):
             return True  # the conversion skips it and says why
         dense_ms, float8_ms = _measured(module, config, tokens, compiled)
         return float8_ms * min_speedup <= dense_ms

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+import kp_core
 from kp_precision.float8 import Float8Tensor
 from kp_precision.ops.quantize import multiplier, saturating_cast
 
@@ -115,7 +116,7 @@ class Float8AllGatherWeight(torch.Tensor):
             q = multiplier(amax, E4M3, self._power_of_2)
         data = saturating_cast(w, q, E4M3)
         if outer_size is not None:  # FSDP2 pads dim 0 to a multiple of the shard group's size
-            rows = -(-outer_size[0] // mesh.size())
+            rows = kp_core.cdiv(outer_size[0], mesh.size())
             if data.shape[0] != rows:
                 padded = data.new_zeros((rows, *data.shape[1:]))
                 padded[: data.shape[0]] = data
@@ -128,6 +129,12 @@ class Float8AllGatherWeight(torch.Tensor):
             out._scale, out._amax = scale, amax
             return None
         return Float8GatheredWeight(data, scale, amax, param_dtype), (data,)
+
+
+def high_precision(weight: torch.Tensor) -> torch.Tensor:
+    """The tensor a Float8AllGatherWeight wraps (a weight FSDP2 has not sharded: kernels take it as it is), else
+    weight."""
+    return weight._tensor if isinstance(weight, Float8AllGatherWeight) else weight
 
 
 class Float8GatheredWeight(torch.Tensor):

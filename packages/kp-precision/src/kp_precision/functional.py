@@ -1,17 +1,20 @@
-"""kp-precision's public functions: argument checks, then the declared ops (kp_precision.ops.*)."""
+"""kp-precision's public functions on tensors: the user-facing argument checks, then the declared ops
+(kp_precision.ops.*; the float8 cast through kp_precision.shared, which the layers call without the checks)."""
 
 import math
 
 import torch
 
 import kp_core
+from kp_core.activation import by_name
 from kp_precision.float8 import Float8Tensor
 from kp_precision.mx import MXTensor
 from kp_precision.ops import fake_quantize as fq
 from kp_precision.ops import linear_activation as la
 from kp_precision.ops import mx
 from kp_precision.ops import scaled_mm as mm
-from kp_precision.ops.quantize import DTYPES, FP8_DTYPES, QUANTIZE, scale_shape
+from kp_precision.ops.quantize import DTYPES, FP8_DTYPES, scale_shape
+from kp_precision.shared import ALIGN, cast
 
 _NAME = "kp_precision.quantize"
 _BLOCKS = {"tensorwise": (0, 0), "rowwise": (1, 0)}
@@ -68,8 +71,7 @@ def quantize(
         kp_core.check_tensor(_NAME, "scale", scale, dtypes=(torch.float32,), device=input.device)
         if scale.numel() != 1:
             raise ValueError(f"{_NAME}: scale must hold one value, got shape {tuple(scale.shape)}")
-    data, s, amax = QUANTIZE(input, scale, dtype, block_m, block_k, bool(power_of_2))
-    return Float8Tensor(data, s, amax, (block_m, block_k))
+    return cast(input, dtype, (block_m, block_k), bool(power_of_2), scale)
 
 
 def dequantize(tensor: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -90,10 +92,15 @@ def dequantize(tensor: Float8Tensor, dtype: torch.dtype = torch.float32) -> torc
 _MM = "kp_precision.scaled_mm"
 
 
+def _activation(op: str, activation: str | None) -> str:
+    """The ops' name of a user's activation ('none' for None), after kp_core's check of the names they take."""
+    return by_name(op, activation, (None, *mm.ACTIVATIONS)).name.lower()
+
+
 def _check_scale(name: str, scale: object, rows: int, k: int, operand: str, device: torch.device) -> None:
     kp_core.check_tensor(_MM, name, scale, dtypes=(torch.float32,), device=device)
     if mm.scale_layout(scale, rows, k, operand) is None:
-        kb, rb = -(-k // mm.SCALE_K), -(-rows // mm.SCALE_K)
+        kb, rb = kp_core.cdiv(k, mm.SCALE_K), kp_core.cdiv(rows, mm.SCALE_K)
         if operand == "a":
             shapes = f"(), ({rows}, 1), ({rows}, {kb}) or ({rb}, {kb})"
         else:
@@ -134,8 +141,8 @@ def scaled_mm(
     n = b.shape[1]
     if a.dtype == b.dtype == torch.float8_e5m2:
         raise TypeError(f"{_MM}: a and b are both float8_e5m2; one must be float8_e4m3fn (as torch._scaled_mm)")
-    if k % 16 or n % 16:
-        raise ValueError(f"{_MM}: K and N must be multiples of 16 for float8 tensor cores, got K={k}, N={n}")
+    if k % ALIGN or n % ALIGN:
+        raise ValueError(f"{_MM}: K and N must be multiples of {ALIGN} for float8 tensor cores, got K={k}, N={n}")
     if k > 1 and a.stride(1) != 1:
         raise ValueError(f"{_MM}: a must be row-major (stride (K, 1)), got strides {a.stride()}")
     if k > 1 and b.stride(0) != 1:
@@ -150,9 +157,7 @@ def scaled_mm(
     if bias is not None:
         kp_core.check_tensor(_MM, "bias", bias, dtypes=(out_dtype, torch.float32), device=a.device, ndim=1)
         kp_core.check_shape(_MM, "bias", bias, (n,))
-    act = "none" if activation is None else activation
-    if act not in mm.ACTIVATIONS:
-        raise ValueError(f"{_MM}: activation must be None, 'relu', 'gelu', 'gelu_tanh' or 'silu', got {activation!r}")
+    act = _activation(_MM, activation)
     if not isinstance(use_fast_accum, bool):
         raise TypeError(f"{_MM}: use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
     return mm.SCALED_MM(a, b, scale_a, scale_b, bias, act, out_dtype, use_fast_accum)
@@ -246,7 +251,7 @@ def fake_quantize(input: torch.Tensor, dtype: str = "int8", *, group_size: int |
     elif dtype != "fp8" and k > fq.MAX_ROW:
         raise ValueError(f"{_FQ}: per-row scales take rows of at most {fq.MAX_ROW} elements, got {k}: set group_size")
     if dtype == "fp8":
-        fn = lambda x: quantize(x, granularity="rowwise").dequantize(x.dtype)  # noqa: E731
+        fn = lambda x: cast(x, torch.float8_e4m3fn, (1, 0), False).dequantize(x.dtype)  # noqa: E731
     else:
         fn = lambda x: fq.FAKE_QUANTIZE(x, QAT_FORMATS[dtype], group_size or 0)  # noqa: E731
     if input.requires_grad and torch.is_grad_enabled():
@@ -275,9 +280,7 @@ def linear_activation(
         kp_core.check_tensor(_LA, "bias", bias, device=input.device, ndim=1)
         kp_core.check_same_dtype(_LA, "bias", bias, input, "input")
         kp_core.check_shape(_LA, "bias", bias, (weight.shape[0],))
-    act = "none" if activation is None else activation
-    if act not in mm.ACTIVATIONS:
-        raise ValueError(f"{_LA}: activation must be None, 'relu', 'gelu', 'gelu_tanh' or 'silu', got {activation!r}")
+    act = _activation(_LA, activation)
     x2 = input.reshape(math.prod(input.shape[:-1]), k)
     x2 = x2 if x2.stride(-1) == 1 or k <= 1 else x2.contiguous()
     w = weight if weight.stride(-1) == 1 or k <= 1 else weight.contiguous()

@@ -1,7 +1,8 @@
-"""Quantisation-aware training: prepare_qat swaps nn.Linear for QATLinear (fake-quantised weights, and optionally
-activations, with straight-through gradients); convert swaps QATLinear for QuantizedLinear (integer or float8
-weights stored with their scales). A converted layer computes exactly what the prepared one did: its weights
-dequantise to the very values the QAT layer trained with, and its activations go through the same fake quant.
+"""Quantisation-aware training's layers: QATLinear (fake-quantised weights, and optionally activations, with
+straight-through gradients) and QuantizedLinear (integer or float8 weights stored with their scales).
+kp_precision.convert's prepare_qat swaps a model's nn.Linear for QATLinear, and its convert swaps QATLinear for
+QuantizedLinear. A converted layer computes exactly what the prepared one did: its weights dequantise to the very
+values the QAT layer trained with, and its activations go through the same fake quant.
 """
 
 import torch
@@ -10,13 +11,12 @@ from torch import nn
 
 from kp_precision.functional import QAT_FORMATS, fake_quantize, quantize
 from kp_precision.ops.fake_quantize import int_quantize
-from kp_precision.swap import swap_linears
-from kp_precision.training import check_input
+from kp_precision.shared import check_input
 
 DEFAULT_GROUP = {"int8": None, "int4": 32, "fp8": None}
 
 
-def _check_formats(caller, weight, activation, group_size):
+def check_formats(caller, weight, activation, group_size):
     if weight not in QAT_FORMATS:
         raise ValueError(f"{caller}: weight must be one of {tuple(QAT_FORMATS)}, got {weight!r}")
     if activation not in (None, "int8", "fp8"):
@@ -33,7 +33,7 @@ class QATLinear(nn.Linear):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, weight_dtype="int4",
                  group_size=32, activation=None):  # fmt: skip
         super().__init__(in_features, out_features, bias, device, dtype)
-        _check_formats("QATLinear", weight_dtype, activation, group_size)
+        check_formats("QATLinear", weight_dtype, activation, group_size)
         self.weight_dtype, self.group_size, self.activation = weight_dtype, group_size, activation
 
     @classmethod
@@ -100,39 +100,3 @@ class QuantizedLinear(nn.Module):
         group = f", group_size={self.group_size}" if self.group_size else ""
         act = f", activation={self.activation}" if self.activation else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight_dtype}{group}{act}"
-
-
-def prepare_qat(model: nn.Module, *, weight="int4", group_size="default", activation=None, module_filter_fn=None,
-                verbose=False) -> nn.Module:  # fmt: skip
-    """Swap model's nn.Linear layers for QATLinear in place (sharing their parameters) and return model.
-    `weight`: 'int4' (groups of 32 by default), 'int8' (per row by default) or 'fp8' (per row); `group_size`:
-    a power of two dividing in_features, or None for per-row scales; `activation`: None, 'int8' or 'fp8'."""
-    group = DEFAULT_GROUP.get(weight) if group_size == "default" else group_size
-    _check_formats("prepare_qat", weight, activation, group)
-    make = lambda lin: QATLinear.from_linear(lin, weight_dtype=weight, group_size=group, activation=activation)  # noqa: E731
-
-    def unfit(lin):
-        if group and lin.in_features % group:
-            return f"in_features is not a multiple of group_size {group}"
-        return None
-
-    label = f"{weight}, activation {activation}"
-    return swap_linears(model, "prepare_qat", module_filter_fn, make, verbose, label, unfit)
-
-
-def convert(model: nn.Module, *, verbose=False) -> nn.Module:
-    """Swap model's QATLinear layers for QuantizedLinear in place and return model (the weights quantised once,
-    to exactly the values the QAT model trained with)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
-    converted = []
-    for fqn, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, QATLinear):
-                setattr(module, name, QuantizedLinear(child))
-                converted.append(f"{fqn}.{name}" if fqn else name)
-    if verbose:
-        print(f"convert: {len(converted)} layers")
-        for path in converted:
-            print(f"  {path}")
-    return model

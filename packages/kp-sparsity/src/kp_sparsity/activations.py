@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kp_sparsity import functional
-from kp_sparsity.linear import SPARSE_DTYPES
 from kp_sparsity.ops import cusparselt
-from kp_sparsity.training import compute_operands, sharing
+from kp_sparsity.shared import SPARSE_DTYPES, compute_operands, sharing
 
 
 def why_not_sparse(in_features: int, out_features: int, dtype, device) -> str:

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kp_sparsity import functional
-
-SPARSE_DTYPES = (torch.float16, torch.bfloat16)
+from kp_sparsity.shared import eligible, time_ms
 
 
 class SparseLinear(nn.Module):
@@ -64,20 +63,6 @@ class Decision:
     alg_id: int | None = None  # the cuSPARSELt algorithm the router picked
 
 
-def _time_ms(fn, reps: int = 20) -> float:
-    """GPU time of fn in ms: reps calls back to back between two CUDA events (as a model's layers run: the host
-    queues ahead), after warmup (cuSPARSELt picks its algorithm on the first calls)."""
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 _MEASURED: dict = {}
 
 
@@ -99,32 +84,20 @@ def measure(
         x = torch.randn(tokens, in_features, device=device, dtype=dtype, generator=g)
         sparse = functional.to_sparse_2_4(w, backend=backend)
         pruned = functional.prune_2_4(w)
-        dense_ms = _time_ms(lambda: F.linear(x, pruned))
+        dense_ms = time_ms(lambda: F.linear(x, pruned))
         if isinstance(sparse, torch.sparse.SparseSemiStructuredTensorCUSPARSELT):
             times = {}
             for alg in ALG_IDS:
                 sparse.alg_id_cusparselt = alg
                 try:
-                    times[alg] = _time_ms(lambda: F.linear(x, sparse))
+                    times[alg] = time_ms(lambda: F.linear(x, sparse))
                 except RuntimeError:  # an id this cuSPARSELt build or shape does not have
                     continue
             alg = min(times, key=times.get)
             _MEASURED[key] = (dense_ms, times[alg], alg)
         else:
-            _MEASURED[key] = (dense_ms, _time_ms(lambda: F.linear(x, sparse)), None)
+            _MEASURED[key] = (dense_ms, time_ms(lambda: F.linear(x, sparse)), None)
     return _MEASURED[key]
-
-
-def _eligible(shape, dtype: torch.dtype, device: torch.device, matmul: bool) -> str:
-    """Why a weight of this shape, dtype and device cannot be 2:4 ('' when it can); matmul: it must also run the
-    2:4 matmul."""
-    if dtype not in (SPARSE_DTYPES if matmul else functional.prune_op.DTYPES):
-        return f"dtype {dtype} (2:4 matmuls take fp16 / bf16)"
-    if matmul and device.type != "cuda":
-        return "not on a CUDA device"
-    if shape[1] % 4 or (matmul and (shape[0] % 32 or shape[1] % 64)):
-        return f"shape {tuple(shape)} (out_features a multiple of 32, in_features of 64)"
-    return ""
 
 
 def calibrate(model: nn.Module, calibration, names) -> dict[str, torch.Tensor]:
@@ -184,7 +157,7 @@ def sparsify(
         why = (
             "the root module (sparsify its parent)"
             if not name
-            else _eligible(m.weight.shape, m.weight.dtype, m.weight.device, route != "dense")
+            else eligible(m.weight.shape, m.weight.dtype, m.weight.device, route != "dense")
         )
         if why:
             decisions.append(Decision(name, tuple(m.weight.shape), "unchanged", why=why))

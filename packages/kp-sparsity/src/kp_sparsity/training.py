@@ -23,8 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kp_sparsity import functional
-from kp_sparsity.linear import SPARSE_DTYPES, Decision, _eligible, _time_ms
+from kp_sparsity.activations import SparseActivationLinear
+from kp_sparsity.activations import why_not_sparse as why_not_sparse_act
+from kp_sparsity.linear import Decision
 from kp_sparsity.ops import cusparselt
+from kp_sparsity.shared import SPARSE_DTYPES, compute_operands, eligible, sharing, time_ms
 
 _ROUTES = ("auto", "sparse", "dense")
 
@@ -83,18 +86,6 @@ class _Linear24(torch.autograd.Function):
             db = dy2.sum(0)
         ctx.operand = None
         return dx, dw, db, None, None, None, None
-
-
-def sharing(cls, linear: nn.Linear):
-    """An instance of cls (an nn.Linear subclass) holding linear's own parameters, no copy and no __init__ run:
-    what from_dense builds on."""
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"{cls.__name__}.from_dense: linear must be an nn.Linear, got {type(linear).__name__}")
-    new = cls.__new__(cls)
-    nn.Module.__init__(new)
-    new.in_features, new.out_features = linear.in_features, linear.out_features
-    new.weight, new.bias = linear.weight, linear.bias
-    return new
 
 
 class SparseTrainingLinear(nn.Linear):
@@ -157,21 +148,10 @@ class SparseTrainingLinear(nn.Linear):
         return f"{super().extra_repr()}, 2:4 transposable, mask_every={self.mask_every}, route={self.route}"
 
 
-def compute_operands(layer: nn.Linear, x: torch.Tensor):
-    """(x, weight, bias) in the dtype the layer computes in: autocast's where it is on (an fp32 weight cast for the
-    call, its gradient flowing back to it), else the weight's."""
-    weight, bias = layer.weight, layer.bias
-    dev = x.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-    if weight.dtype != dtype:
-        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-    return x.to(dtype), weight, bias
-
-
 def why_not_sparse(shape, dtype, device) -> str:
     """Why a layer cannot train on sparse tensor cores ('' when it can): inference's conditions, and the runtime
     packer's multiples of 64."""
-    why = _eligible(shape, dtype, device, True)
+    why = eligible(shape, dtype, device, True)
     if not why and (shape[0] % cusparselt.BLOCK or shape[1] % cusparselt.BLOCK):
         why = f"shape {tuple(shape)} (kp's runtime packer takes multiples of {cusparselt.BLOCK})"
     return why
@@ -184,8 +164,6 @@ def measure_step(out_features, in_features, dtype, tokens, device, activations=F
     """(dense ms, sparse ms) of one forward + backward, the input needing its gradient, of a SparseTrainingLinear
     (its mask kept, as between updates) or with activations=True a SparseActivationLinear, at `tokens` rows.
     Measured once per kind, shape, dtype, token count and GPU in this process."""
-    from kp_sparsity.activations import SparseActivationLinear
-
     key = (activations, out_features, in_features, dtype, tokens, torch.cuda.get_device_name(device))
     if key not in _MEASURED:
         kw = dict(bias=False, device=device, dtype=dtype)
@@ -202,7 +180,7 @@ def measure_step(out_features, in_features, dtype, tokens, device, activations=F
         times = []
         for route in ("dense", "sparse"):
             layer.route = route
-            times.append(_time_ms(step, reps=10))
+            times.append(time_ms(step, reps=10))
         _MEASURED[key] = tuple(times)
     return _MEASURED[key]
 
@@ -231,9 +209,6 @@ def sparsify_for_training(
     for mismatched layouts cost more than the layer gained (H100: a Llama MLP block with gate and up sparse, down
     dense, 0.86x dense; all three sparse, 1.06x). 2:4 activations (row-major products) are decided per layer.
     Layers that cannot run 2:4 stay dense either way. Returns one Decision per layer considered."""
-    from kp_sparsity.activations import SparseActivationLinear
-    from kp_sparsity.activations import why_not_sparse as why_not_sparse_act
-
     if route not in _ROUTES:
         raise ValueError(f"sparsify_for_training: route must be 'auto', 'sparse' or 'dense', got {route!r}")
     decisions, layers = [], []

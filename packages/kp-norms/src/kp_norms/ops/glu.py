@@ -9,7 +9,9 @@
 Computed in fp32 for fp16/bf16 inputs and in fp64 for fp32/fp64 ones, rounded once at the store. The backward
 recomputes act from gate: only gate and up are saved. The packed op takes one [..., 2H] tensor,
 `gate, up = input.chunk(2, -1)`; its halves are row-strided views read in place, and its backward writes both
-halves of one [..., 2H] gradient. Kernels: kp_norms.ops.glu_kernels.
+halves of one [..., 2H] gradient. Kernels: kp_norms.ops.glu_kernels; the activations' Triton forms are
+kp_core.activation_kernels, and the reference path (CPU without the interpreter, or KP_BACKEND=reference) takes
+the same formulas in PyTorch from kp_core.activation.
 """
 
 import functools
@@ -17,7 +19,7 @@ import functools
 import torch
 
 import kp_core
-from kp_norms.ops.activation import Activation
+from kp_core.activation import reference_with_grad
 
 if kp_core.has_triton():
     import triton.language as tl
@@ -70,23 +72,6 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x2[:, :h], x2[:, h:]
 
 
-# ---- reference path (CPU without the interpreter, or KP_BACKEND=reference) ----
-
-
-def _reference_act(g: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(g), act'(g)) with torch ops in g's dtype; 1 - sigmoid(x) as sigmoid(-x), as the kernel does."""
-    if act == Activation.GELU:
-        cdf = 0.5 * (1 + torch.erf(g * kp_core.SQRT1_2))
-        return g * cdf, cdf + g * torch.exp(-0.5 * g * g) * kp_core.INV_SQRT_2PI
-    if act == Activation.SILU:
-        s, s_c = torch.sigmoid(g), torch.sigmoid(-g)
-        return g * s, s * (1 + g * s_c)
-    c = 2 * kp_core.SQRT_2_OVER_PI
-    z2 = c * (g + kp_core.GELU_TANH_CUBIC * g**3)
-    s, s_c = torch.sigmoid(z2), torch.sigmoid(-z2)
-    return g * s, s * (1 + c * g * s_c * (1 + 3 * kp_core.GELU_TANH_CUBIC * g * g))
-
-
 # ---- launchers: 2-D (rows, H) views with unit column stride; y / dg / du are written in place ----
 
 
@@ -94,8 +79,8 @@ def _launch(op, kernel, backend, gate, tensors, act) -> None:
     """One launch of `kernel` over gate's (rows, H) tiles; `tensors` are its (tensor, row stride) operands."""
     m, h = gate.shape
     block_m, block_n, num_warps = _config(kernel.fn.__name__, m, h, backend == kp_core.INTERPRET)
-    n_col_blocks = -(-h // block_n)
-    grid = -(-m // block_m) * n_col_blocks
+    n_col_blocks = kp_core.cdiv(h, block_n)
+    grid = kp_core.cdiv(m, block_m) * n_col_blocks
     kp_core.check_index_fits(op, "the launch grid (programs)", grid)
     acc = tl.float32 if gate.dtype in (torch.float16, torch.bfloat16) else tl.float64
     args = (*(a for t in tensors for a in (t, t.stride(0))), m, h, n_col_blocks)
@@ -109,7 +94,7 @@ def _launch_forward(op, gate, up, y, act):
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
         acc = _acc_dtype(gate.dtype)
-        y.copy_(_reference_act(gate.to(acc), act)[0] * up.to(acc))
+        y.copy_(reference_with_grad(gate.to(acc), act)[0] * up.to(acc))
         return
     _launch(op, kernels._glu_fwd, backend, gate, (gate, up, y), act)
 
@@ -119,7 +104,7 @@ def _launch_backward(op, dy, gate, up, dg, du, act):
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
         acc = _acc_dtype(gate.dtype)
-        a, da = _reference_act(gate.to(acc), act)
+        a, da = reference_with_grad(gate.to(acc), act)
         dyf = dy.to(acc)
         dg.copy_(dyf * up.to(acc) * da)
         du.copy_(dyf * a)

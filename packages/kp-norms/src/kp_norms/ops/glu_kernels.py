@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from kp_norms.ops.activation_kernels import act
+from kp_core.activation_kernels import act
 
 
 @triton.jit

@@ -27,12 +27,12 @@ path and the two op declarations: kp::norm (with its backward) and kp::add_norm_
 import dataclasses
 import functools
 import struct
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 import kp_core
-from kp_norms.ops import activation
+from kp_core import activation
 
 if kp_core.has_triton():
     import triton.language as tl
@@ -156,10 +156,23 @@ def _forward_plan(dtype, n, rms, has_r, has_w, has_b, offset, round_n, act, stat
     return kernels._norm_fwd, cfg.block_rows, consts, cfg.num_warps
 
 
+class BackwardPlan(NamedTuple):
+    """What a backward launch needs besides the tensors (_backward_plan)."""
+
+    cfg: kp_core.RowConfig  # tiles and warps of the main kernel
+    slots: int  # programs the backward may spread over
+    n_parts: int  # partial-sum arrays: dw's and db's (one when there is neither)
+    buffers: int  # scratch arrays: the partials, and the looped Kahan kernel's compensations beside them
+    kahan: bool  # compensated sums (see norm_kernels)
+    acc: torch.dtype  # the partials' dtype
+    consts: kp_core.Constexprs  # the main kernel's constexprs
+    sum_consts: kp_core.Constexprs  # the partial-sum kernel's
+    sum_grid: tuple[int]  # the partial-sum kernel's grid
+
+
 @functools.lru_cache(maxsize=1024)
-def _backward_plan(dtype, w_dtype, b_dtype, n, rms, has_ds, offset, round_n, act, device, generation):
-    """(config, program slots, partial buffers, main constexprs, sum constexprs, sum grid) of the backward;
-    w_dtype/b_dtype are None without a weight/bias."""
+def _backward_plan(dtype, w_dtype, b_dtype, n, rms, has_ds, offset, round_n, act, device, generation) -> BackwardPlan:
+    """The backward's launch plan; w_dtype/b_dtype are None without a weight/bias."""
     has_w, has_b = w_dtype is not None, b_dtype is not None
     cfg = _tiles_for("_norm_bwd", n, dtype.itemsize, generation)
     acc = acc_dtype(dtype)
@@ -189,7 +202,7 @@ def _backward_plan(dtype, w_dtype, b_dtype, n, rms, has_ds, offset, round_n, act
     )
     block_n = min(SUM_BLOCK_N, kp_core.next_power_of_2(n))
     sum_consts = kp_core.Constexprs(BLOCK_P=32, BLOCK_N=block_n, HAS_W=has_w, HAS_B=has_b, ACC=_tl_acc(dtype))
-    return cfg, slots, n_parts, buffers, kahan, acc, consts, sum_consts, (-(-n // block_n),)
+    return BackwardPlan(cfg, slots, n_parts, buffers, kahan, acc, consts, sum_consts, (kp_core.cdiv(n, block_n),))
 
 
 def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stats, s_out=None):
@@ -238,7 +251,7 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
     if block_rows == 0:  # looped: one program per row
         kp_core.launch(op, backend, kernel, (m,), (*args, n, *split_eps(eps)), consts, num_warps)
     else:
-        grid = (-(-m // block_rows),)
+        grid = (kp_core.cdiv(m, block_rows),)
         kp_core.launch(op, backend, kernel, grid, (*args, m, n, *split_eps(eps)), consts, num_warps)
     if not stats:
         return y, (s if has_r else None), None, None
@@ -290,7 +303,7 @@ def backward(
     x, dy = _rows(x), _rows(dy)
     ds = None if ds is None else _rows(ds)
     has_w, has_b = weight is not None, bias is not None
-    cfg, slots, n_parts, buffers, kahan, acc, consts, sum_consts, sum_grid = _backward_plan(
+    plan = _backward_plan(
         x.dtype,
         weight.dtype if has_w else None,
         bias.dtype if has_b else None,
@@ -303,12 +316,12 @@ def backward(
         x.get_device(),
         _generation(),
     )
-    rows_per_program = -(-m // max(1, min(slots, -(-m // cfg.block_rows))))
-    programs = -(-m // rows_per_program)
+    rows_per_program = kp_core.cdiv(m, max(1, min(plan.slots, kp_core.cdiv(m, plan.cfg.block_rows))))
+    programs = kp_core.cdiv(m, rows_per_program)
     dx = x.new_empty((m, n))
-    parts = kp_core.workspace(x, (programs, n), acc, count=buffers)
-    parts = parts if buffers > 1 else (parts,)
-    dw_part, db_part = parts[0], parts[n_parts - 1]
+    parts = kp_core.workspace(x, (programs, n), plan.acc, count=plan.buffers)
+    parts = parts if plan.buffers > 1 else (parts,)
+    dw_part, db_part = parts[0], parts[plan.n_parts - 1]
     args = (
         dy,
         dy.stride(0),
@@ -325,17 +338,18 @@ def backward(
         dw_part,
         db_part,
     )
-    if cfg.looped:
-        comps = (parts[n_parts], parts[-1]) if kahan else (dw_part, db_part)  # dw's, db's (unused without KAHAN)
+    if plan.cfg.looped:
+        # dw's, db's compensations (unused without KAHAN)
+        comps = (parts[plan.n_parts], parts[-1]) if plan.kahan else (dw_part, db_part)
         kernel, args = kernels._norm_bwd_looped, (*args, *comps, m, n, rows_per_program)
     else:
         kernel, args = kernels._norm_bwd, (*args, m, n, rows_per_program)
-    kp_core.launch(OP_BWD, backend, kernel, (programs,), args, consts, cfg.num_warps)
+    kp_core.launch(OP_BWD, backend, kernel, (programs,), args, plan.consts, plan.cfg.num_warps)
     dw = weight.new_empty(weight.shape) if has_w else None
     db = bias.new_empty(bias.shape) if has_b else None
     if has_w or has_b:
         sum_args = (dw_part, db_part, dw if has_w else dx, db if has_b else dx, programs, n)
-        kp_core.launch(OP_BWD, backend, kernels._norm_bwd_sum, sum_grid, sum_args, sum_consts, 4)
+        kp_core.launch(OP_BWD, backend, kernels._norm_bwd_sum, plan.sum_grid, sum_args, plan.sum_consts, 4)
     return dx, dw, db
 
 

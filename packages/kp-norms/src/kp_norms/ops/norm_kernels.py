@@ -14,7 +14,7 @@ they do not: its registers slow the fused backward down where rows are wide.
 import triton
 import triton.language as tl
 
-from kp_norms.ops.activation_kernels import NONE, act_fwd, act_grad
+from kp_core.activation_kernels import NONE, act_fwd, act_grad
 
 
 @triton.jit

@@ -7,7 +7,10 @@ Symmetric, per group of `group` consecutive elements of the last dim (a whole ro
     y     = q * scale in float32, rounded once to x's dtype
 
 `int_quantize` gives (q, scale) by the same arithmetic in PyTorch, so a converted model's weights dequantise to
-exactly the fake-quantised values the QAT model trained with. Kernel: kp_precision.ops.fake_quantize_kernels.
+exactly the fake-quantised values the QAT model trained with.
+
+Kernel: kp_precision.ops.fake_quantize_kernels. Declaration: FAKE_QUANTIZE (kp::fake_quantize). Spec:
+conformance/specs/test_fake_quantize.py.
 """
 
 import torch
@@ -60,7 +63,7 @@ def forward(x: torch.Tensor, qmax: int, group: int) -> torch.Tensor:
         elements *= 16
     bk = kp_core.next_power_of_2(k) if group == 0 else max(group, min(1024, kp_core.next_power_of_2(k)))
     bm = max(1, elements // bk)
-    grid = -(-m // bm) * -(-k // bk)
+    grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
     kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
     consts = dict(QMAX=float(qmax), EPS=EPS, GROUP=group or bk, BLOCK_M=bm, BLOCK_K=bk)
     args = (x2, x2.stride(0), y2, y2.stride(0), m, k)

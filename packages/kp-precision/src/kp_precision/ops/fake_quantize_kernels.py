@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from kp_precision.ops.quantize_kernels import _tile_of
+from kp_precision.ops.kernel_helpers import tile_of
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def _fake_quantize(
 ):
     """One BLOCK_M x BLOCK_K tile, BLOCK_K a multiple of GROUP (a row's groups of GROUP columns; a whole row when
     GROUP = BLOCK_K >= K): scale = max(amax, EPS) / QMAX, y = clamp(rint(x / scale), -QMAX - 1, QMAX) * scale."""
-    rows, cols, mask, _ = _tile_of(M, K, BLOCK_M, BLOCK_K)
+    rows, cols, mask, _ = tile_of(M, K, BLOCK_M, BLOCK_K)
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x3 = tl.reshape(x, (BLOCK_M, BLOCK_K // GROUP, GROUP))

@@ -8,17 +8,22 @@ The forward GEMM is a persistent TMA kernel (kp_precision.ops.linear_activation_
 Triton has host tensor descriptors and the rows are 16-byte aligned, else the float8 scaled-matmul kernel
 (kp_precision.ops.scaled_mm_kernels) with 16-bit operands and unit scales (on the H100, in a standalone run of
 the same kernel, 580-640 TFLOP/s where the pointer kernel ran at 490-510: docs/ops/linear_activation.md). Either
-stores z beside y only when a backward will need it.
+stores z beside y only when a backward will need it. The activation and its derivative are kp_core's
+(kp_core.activation_kernels; the reference path: kp_core.activation).
+
+Kernels: kp_precision.ops.linear_activation_kernels (the TMA forward, the activation's backward) and
+kp_precision.ops.scaled_mm_kernels (the pointer forward). Declaration: LINEAR_ACTIVATION
+(kp::linear_activation). Spec: conformance/specs/test_linear_activation.py.
 """
 
 import torch
 
 import kp_core
-from kp_precision.ops.scaled_mm import ACTIVATIONS, _reference_activation
+from kp_core.activation import NAMES, reference
 
 if kp_core.has_triton():
-    from kp_precision.ops import linear_activation_kernels as tma_kernels
-    from kp_precision.ops import scaled_mm_kernels as kernels
+    from kp_precision.ops import linear_activation_kernels as kernels
+    from kp_precision.ops import scaled_mm_kernels as mm_kernels
 
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -55,7 +60,7 @@ def forward(
         if backend == kp_core.REFERENCE:
             kp_core.reference(OP)
         z = x.float() @ weight.float().t() + (0 if bias is None else bias.float())
-        y.copy_(_reference_activation(activation)(z))
+        y.copy_(reference(z, NAMES[activation]))
         if save_pre:
             pre.copy_(z)
         return y, pre
@@ -66,14 +71,14 @@ def forward(
     bm, bn, bk, warps, stages, group = INTERPRET_TILE if interpret else TILE
     s = kp_core.settings("_linear_activation", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     one = torch.ones((), device=x.device)
-    grid = -(-m // s["block_m"]) * -(-n // s["block_n"])
+    grid = kp_core.cdiv(m, s["block_m"]) * kp_core.cdiv(n, s["block_n"])
     kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
     args = (x, x.stride(0), weight, weight.stride(0), one, 0, 0, one, 0, 0)
     args += (y if bias is None else bias, y, y.stride(0), y if pre is None else pre, m, n, k)
     consts = dict(SA_ROWS=1, SA_K=False, SB_COLS=1, SB_K=False, SCALE_K=128, HAS_BIAS=bias is not None)
-    consts.update(ACT=ACTIVATIONS.index(activation), STORE_PRE=save_pre, A_E5M2=False, B_E5M2=False, SOFT=False)
+    consts.update(ACT=int(NAMES[activation]), STORE_PRE=save_pre, A_E5M2=False, B_E5M2=False, SOFT=False)
     consts.update(PROMOTE_K=0, BLOCK_M=s["block_m"], BLOCK_N=s["block_n"], BLOCK_K=s["block_k"], GROUP_M=group)
-    kp_core.launch(OP, backend, kernels._scaled_mm, (grid,), args, consts, s["num_warps"], s["num_stages"])
+    kp_core.launch(OP, backend, mm_kernels._scaled_mm, (grid,), args, consts, s["num_warps"], s["num_stages"])
     return y, pre
 
 
@@ -89,15 +94,15 @@ def _launch_tma(backend, x, weight, bias, y, pre, activation, interpret) -> None
     bm, bn, bk, warps, stages, group = INTERPRET_TILE if interpret else TMA_TILE
     s = kp_core.settings("_linear_activation", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     bm, bn, bk = s["block_m"], s["block_n"], s["block_k"]
-    tiles = -(-m // bm) * -(-n // bn)
+    tiles = kp_core.cdiv(m, bm) * kp_core.cdiv(n, bn)
     programs = INTERPRET_PROGRAMS if interpret else kp_core.sm_count(x.device.index)
     desc = TensorDescriptor.from_tensor
     out = desc(y, [bm, bn])
     args = (desc(x, [bm, bk]), desc(weight, [bn, bk]), out, out if pre is None else desc(pre, [bm, bn]))
     args += (y if bias is None else bias, m, n, k)
-    consts = dict(HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation), STORE_PRE=pre is not None)
+    consts = dict(HAS_BIAS=bias is not None, ACT=int(NAMES[activation]), STORE_PRE=pre is not None)
     consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, PROGRAMS=programs)
-    kernel = tma_kernels._linear_activation
+    kernel = kernels._linear_activation
     grid = (min(programs, tiles),)  # fewer tiles than programs: one program each (PROGRAMS stays a constant)
     kp_core.launch(OP, backend, kernel, grid, args, consts, s["num_warps"], s["num_stages"], plain=True)
 
@@ -109,13 +114,13 @@ def _activation_grad(dy: torch.Tensor, pre: torch.Tensor, activation: str) -> to
         kp_core.reference(OP)
         z = pre.float().detach().requires_grad_()
         with torch.enable_grad():
-            (grad,) = torch.autograd.grad(_reference_activation(activation)(z), z, dy.float())
+            (grad,) = torch.autograd.grad(reference(z, NAMES[activation]), z, dy.float())
         return dz.copy_(grad)
     n = pre.numel()
     block = ELEMENTS * (16 if backend == kp_core.INTERPRET else 1)
-    grid = -(-n // block)
+    grid = kp_core.cdiv(n, block)
     args = (dy.contiguous(), pre, dz, n)
-    consts = dict(ACT=ACTIVATIONS.index(activation), BLOCK=block)
+    consts = dict(ACT=int(NAMES[activation]), BLOCK=block)
     kp_core.launch(OP, backend, kernels._activation_grad, (grid,), args, consts, 8)
     return dz
 

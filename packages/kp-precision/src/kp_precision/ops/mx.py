@@ -10,13 +10,16 @@ as an E8M0 byte (e + 127; 255 is NaN). Per block, as the specification's convers
 
 fp8 elements are stored as torch's float8 dtypes, fp4 (e2m1) elements two per byte, the first in the low
 nibble; scales as uint8 bytes. Dequantised: elem * X. The matmul of two MX operands along K sums, per block,
-the exact dot product of the elements times both scales, in float32. Kernels: kp_precision.ops.mx_kernels.
+the exact dot product of the elements times both scales, in float32.
+
+Kernels: kp_precision.ops.mx_kernels. Declarations: MX_QUANTIZE (kp::mx_quantize), MX_DEQUANTIZE
+(kp::mx_dequantize), MX_MATMUL (kp::mx_matmul). Spec: conformance/specs/test_mx.py.
 """
 
 import torch
 
 import kp_core
-from kp_precision.ops.quantize import _soft
+from kp_precision.ops.quantize import soft_float8
 
 if kp_core.has_triton():
     from kp_precision.ops import mx_kernels as kernels
@@ -116,11 +119,11 @@ def quantize(x: torch.Tensor, elem: str) -> tuple[torch.Tensor, torch.Tensor]:
         d2.copy_(d)
         s2.copy_(s)
         return data, scale
-    soft = _soft(backend)
+    soft = soft_float8(backend)
     y = d2.view(torch.uint8) if soft else d2
     bm, bk, warps = _tile("_mx_quantize", backend)
     bk = min(bk, max(BLOCK, kp_core.next_power_of_2(k)))
-    grid = -(-m // bm) * -(-k // bk)
+    grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
     kp_core.check_index_fits(OP_Q, "the launch grid (programs)", grid)
     args = (x2, x2.stride(0), y, y.stride(0), s2, s2.stride(0), m, k)
     consts = dict(ELEM=kind, EMAX=emax, MAXV=vmax, SOFT=soft, BLOCK_M=bm, BLOCK_K=bk)
@@ -144,7 +147,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, elem: str, dtype: torch.
     d2 = d2.view(torch.uint8)
     bm, bk, warps = _tile("_mx_quantize", backend)
     bk = min(bk, max(BLOCK, kp_core.next_power_of_2(k)))
-    grid = -(-m // bm) * -(-k // bk)
+    grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
     args = (d2, d2.stride(0), s2, s2.stride(0), o2, o2.stride(0), m, k)
     consts = dict(ELEM=ELEMENTS[elem][0], BLOCK_M=bm, BLOCK_K=bk)
     kp_core.launch(OP_DQ, backend, kernels._mx_dequantize, (grid,), args, consts, warps)
@@ -173,7 +176,7 @@ def matmul(
         out.copy_(av @ bv.t())
         return out
     bm, bn, warps = _tile("_mx_matmul", backend)
-    grid = -(-m // bm) * -(-n // bn)
+    grid = kp_core.cdiv(m, bm) * kp_core.cdiv(n, bn)
     a8, b8 = a.view(torch.uint8), b.view(torch.uint8)
     args = (a8, a8.stride(0), scale_a, scale_a.stride(0), b8, b8.stride(0), scale_b, scale_b.stride(0))
     args += (out, out.stride(0), m, n, k)

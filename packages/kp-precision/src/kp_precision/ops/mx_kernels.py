@@ -7,8 +7,7 @@ A block is 32 consecutive elements of a row; its scale is an E8M0 byte (2**(s - 
 import triton
 import triton.language as tl
 
-from kp_precision.ops.quantize_kernels import _abs_bits, _fp8_value, _minifloat_bits, _minifloat_value, _tile_of
-from kp_precision.ops.scaled_mm_kernels import _grouped_tile
+from kp_precision.ops.kernel_helpers import abs_bits, fp8_value, grouped_tile, minifloat_bits, minifloat_value, tile_of
 
 FP4 = tl.constexpr(2)
 
@@ -17,18 +16,18 @@ FP4 = tl.constexpr(2)
 def _encode(y, ELEM: tl.constexpr):
     """y (float32, saturated, or NaN) as element bits (int32), rounded to nearest-even."""
     if ELEM == 0:
-        return _minifloat_bits(y, 3, 7, 7, 0x7F)
+        return minifloat_bits(y, 3, 7, 7, 0x7F)
     elif ELEM == 1:
-        return _minifloat_bits(y, 2, 15, 7, 0x7F)
+        return minifloat_bits(y, 2, 15, 7, 0x7F)
     else:  # e2m1 has no NaN: a NaN element's block scale is NaN, which is what carries it
-        return _minifloat_bits(y, 1, 1, 3, 0)
+        return minifloat_bits(y, 1, 1, 3, 0)
 
 
 @triton.jit
 def _decode(b, ELEM: tl.constexpr):
     if ELEM == FP4:
-        return _minifloat_value(b, 1, 1, 3)
-    return _fp8_value(b, ELEM == 1)
+        return minifloat_value(b, 1, 1, 3)
+    return fp8_value(b, ELEM == 1)
 
 
 @triton.jit
@@ -71,12 +70,12 @@ def _mx_quantize(
     """One BLOCK_M x BLOCK_K tile (BLOCK_K a multiple of 32, K too): per 32-element block, the shared exponent
     floor(log2 amax) - EMAX (clamped to the E8M0 range; a NaN or inf amax gives the NaN scale), the elements
     x / 2**shared saturated to +-MAXV and rounded to nearest-even."""
-    rows, cols, mask, k0 = _tile_of(M, K, BLOCK_M, BLOCK_K)
+    rows, cols, mask, k0 = tile_of(M, K, BLOCK_M, BLOCK_K)
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     G: tl.constexpr = BLOCK_K // 32
     x3 = tl.reshape(x, (BLOCK_M, G, 32))
-    amax = tl.max(_abs_bits(x3), axis=2)  # (BLOCK_M, G) float32 bits: the exponent field is floor(log2 amax)
+    amax = tl.max(abs_bits(x3), axis=2)  # (BLOCK_M, G) float32 bits: the exponent field is floor(log2 amax)
     shared = tl.minimum(tl.maximum((amax >> 23) - 127 - EMAX, -127), 127)
     groups = k0 // 32 + tl.arange(0, G)
     s_mask = (rows < M)[:, None] & (groups < K // 32)[None, :]
@@ -112,7 +111,7 @@ def _mx_dequantize(
     BLOCK_K: tl.constexpr,
 ):
     """OUT = element * 2**(scale - 127) in float32, rounded once to OUT's dtype."""
-    rows, cols, mask, k0 = _tile_of(M, K, BLOCK_M, BLOCK_K)
+    rows, cols, mask, k0 = tile_of(M, K, BLOCK_M, BLOCK_K)
     r64 = rows.to(tl.int64)[:, None]
     v = _elements(Y, rows, stride_y, cols, M, K, ELEM)
     s = tl.load(S + r64 * stride_s + (cols // 32)[None, :], mask=mask, other=127).to(tl.int32)
@@ -143,7 +142,7 @@ def _mx_matmul(
     """C = A @ B.T with A (M, K), B (N, K) in MX: per 32-deep block, the elements' dot product (decoded to
     float32, which holds every element exactly, as do TF32 tensor cores: the products are exact) times both
     blocks' scales, summed in float32. Emulation: Hopper has no MX tensor cores."""
-    rm, rn = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm, rn = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rk = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, 32):

@@ -11,7 +11,11 @@ for activations and (128, 128) for weights. Per block, in float32:
 
 With a given (delayed) tensorwise scale s, q = 1 / s and the returned scale is s; the returned amax is then the
 input's, for the caller's amax history. Divisions are IEEE round-to-nearest, as in torch. FP8_MAX is 448 for
-float8_e4m3fn and 57344 for float8_e5m2, EPS 1e-12 (torchao's). Kernels: kp_precision.ops.quantize_kernels.
+float8_e4m3fn and 57344 for float8_e5m2, EPS 1e-12 (torchao's). Also kp::transpose, the tiled transposing copy the
+float8 training backward runs on float8 data and 16-bit tensors.
+
+Kernels: kp_precision.ops.quantize_kernels. Declarations: QUANTIZE (kp::quantize), DEQUANTIZE (kp::dequantize),
+TRANSPOSE (kp::transpose). Spec: conformance/specs/test_quantize.py.
 """
 
 import functools
@@ -51,16 +55,16 @@ def scale_shape(shape: tuple, block_m: int, block_k: int) -> tuple:
         return ()
     k = shape[-1]
     lead = shape[:-1]
-    nk = 1 if block_k == 0 else -(-k // block_k)
+    nk = 1 if block_k == 0 else kp_core.cdiv(k, block_k)
     if block_m == 1:
         return (*lead, nk)
     m = 1
     for d in lead:
         m *= d
-    return (-(-m // block_m), nk)
+    return (kp_core.cdiv(m, block_m), nk)
 
 
-def _soft(backend: str) -> bool:
+def soft_float8(backend: str) -> bool:
     """Convert to float8 in integer arithmetic (exact everywhere) instead of with the hardware's conversion:
     always under the interpreter, whose own float8 rounding is not round-to-nearest-even; on a GPU only when a
     test pins `kp_core.pinned("fp8_convert", soft=True)` to check one against the other."""
@@ -110,7 +114,7 @@ def _blocks(x2: torch.Tensor, block_m: int, block_k: int) -> torch.Tensor:
     m, k = x2.shape
     bm = m if block_m == 0 else block_m
     bk = k if block_k == 0 else block_k
-    pm, pk = -(-m // bm) * bm, -(-k // bk) * bk
+    pm, pk = kp_core.cdiv(m, bm) * bm, kp_core.cdiv(k, bk) * bk
     padded = x2.new_zeros((pm, pk))
     padded[:m, :k] = x2
     return padded.view(pm // bm, bm, pk // bk, bk)
@@ -162,19 +166,19 @@ def _launch_quantize(op, x2, data, scale_in, fp8, block_m, block_k, power_of_2):
         return s, a
     interpret = backend == kp_core.INTERPRET
     m, k = x2.shape
-    soft = _soft(backend)
+    soft = soft_float8(backend)
     y = data.view(torch.uint8) if soft else data
     if block_m == 0:  # tensorwise: the amax as int32 bits (see the kernels' docstring), then the cast
         amax_bits = torch.zeros((), dtype=torch.int32, device=x2.device)
         delayed = scale_in is not None
         if not delayed:
             bm, bk, warps = _tile("_amax", k, 0, 0, interpret)
-            grid = -(-m // bm) * -(-k // bk)
+            grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
             args = (x2, x2.stride(0), amax_bits, m, k)
             kp_core.launch(op, backend, kernels._amax, (grid,), args, dict(BLOCK_M=bm, BLOCK_K=bk), warps)
         scale = scale_in.float().reshape(()) if delayed else torch.empty((), device=x2.device)
         bm, bk, warps = _tile("_quantize_tensorwise", k, 0, 0, interpret)
-        grid = -(-m // bm) * -(-k // bk)
+        grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
         consts = _consts(0, bm, bk, delayed, fp8, soft, power_of_2)
         args = (x2, x2.stride(0), y, y.stride(0), scale, 0, amax_bits, m, k)
         kp_core.launch(op, backend, kernels._quantize, (grid,), args, consts, warps)
@@ -196,7 +200,7 @@ def _launch_quantize(op, x2, data, scale_in, fp8, block_m, block_k, power_of_2):
     else:
         bm, bk, warps = _tile("_quantize", k, block_m, block_k, interpret)
         mode = 1 if block_m == 1 else 2
-    grid = -(-m // bm) * -(-k // bk)
+    grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
     kp_core.check_index_fits(op, "the launch grid (programs)", grid)
     consts = _consts(mode, bm, bk, False, fp8, soft, power_of_2)
     args = (x2, x2.stride(0), y, y.stride(0), scale, scale.stride(0), amax, m, k)
@@ -252,12 +256,12 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block_m: int, block_k: i
         sb = s2.repeat_interleave(bm, 0)[:m].repeat_interleave(bk, 1)[:, :k]
         out.view(m, k).copy_(d2.float() * sb)
         return out
-    soft = _soft(backend)
+    soft = soft_float8(backend)
     # a scale's strides along the dimensions it covers whole are 0
     s0 = 0 if block_m == 0 else s2.stride(0)
     s1 = 0 if block_k == 0 else s2.stride(1)
     bm, bk, warps = _tile("_dequantize", k, 0, 0, backend == kp_core.INTERPRET)
-    grid = -(-m // bm) * -(-k // bk)
+    grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
     kp_core.check_index_fits(OP_DEQ, "the launch grid (programs)", grid)
     src = d2.view(torch.uint8) if soft else d2
     args = (src, src.stride(0), s2, s0, s1, out.view(m, k), k, m, k)
@@ -286,7 +290,7 @@ def transpose(data: torch.Tensor) -> torch.Tensor:
         kp_core.reference(OP_T)
         return out.copy_(data.t())
     block = INTERPRET_TRANSPOSE_BLOCK if backend == kp_core.INTERPRET else TRANSPOSE_BLOCK
-    grid = -(-m // block) * -(-n // block)
+    grid = kp_core.cdiv(m, block) * kp_core.cdiv(n, block)
     kp_core.check_index_fits(OP_T, "the launch grid (programs)", grid)
     bits = _BITS[data.element_size()]
     x, y = data.view(bits), out.view(bits)

@@ -10,8 +10,9 @@ float32 dequantisation scales (x ~ data * scale), one per block of the operand:
     scale_b        ()  tensorwise    (1, N) per column   (ceil(K/128), N) 128 x 1 blocks   (ceil(K/128), ceil(N/128))
 
 A scale constant along K multiplies the float32 sum once; a blockwise one multiplies each 128-long partial sum
-(the DeepSeek-V3 recipe). Then bias (float32 or C's dtype), the activation (relu, gelu, gelu_tanh, silu) and
-the cast, all in float32 registers: no extra pass over C. Kernel: kp_precision.ops.scaled_mm_kernels.
+(the DeepSeek-V3 recipe). Then bias (float32 or C's dtype), the activation (relu, gelu, gelu_tanh, silu:
+kp_core.Activation, the kernels' forms from kp_core.activation_kernels) and the cast, all in float32 registers:
+no extra pass over C.
 
 Accumulation. Hopper's float8 tensor cores sum products in an accumulator narrower than float32, so a long K
 loses bits. use_fast_accum=False (the default, as torch._scaled_mm's) adds each 128-deep partial sum to the float32
@@ -23,13 +24,17 @@ elementwise kernel over its float32 product (kp_precision.ops.scaled_mm_route). 
 A, 128 x 128 of B) go to cuBLASLt's blockwise recipe (torch.nn.functional.scaled_mm) where the installed torch has
 it: the kernel's blockwise path promotes every 128 as it does, at about 0.55x its speed. Everything else runs the
 kernel.
+
+Kernel: kp_precision.ops.scaled_mm_kernels (its _epilogue runs after cuBLASLt). Declaration: SCALED_MM
+(kp::scaled_mm). Spec: conformance/specs/test_scaled_mm.py.
 """
 
 import torch
 
 import kp_core
+from kp_core.activation import NAMES, reference
 from kp_precision.ops import scaled_mm_route as route
-from kp_precision.ops.quantize import _soft
+from kp_precision.ops.quantize import soft_float8
 
 if kp_core.has_triton():
     from kp_precision.ops import scaled_mm_kernels as kernels
@@ -39,7 +44,7 @@ PACKAGE = "kp-precision"
 SPEC = "scaled_mm"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")  # the op's activation names (kp_core.activation.NAMES)
 SCALE_K = 128
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M) on a GPU: the float8 shape of Triton's own Hopper
 # matmul tutorial (a 128 x 256 tile, 128 deep, 3 stages: 144 KiB of shared memory); a benchmark may pin others.
@@ -59,7 +64,7 @@ INTERPRET_TILE = (16, 32, 32, 1, 1, 2)
 def scale_layout(scale: torch.Tensor, rows: int, k: int, operand: str) -> tuple[int, bool] | None:
     """(rows per scale element, whether the scale changes along K) for an operand with `rows` rows (M of A, N of
     B) and depth k, from the scale's shape (scale_b given as (K-blocks, N-blocks)); None if no recipe has it."""
-    kb = -(-k // SCALE_K)
+    kb = kp_core.cdiv(k, SCALE_K)
     shape = tuple(scale.shape)
     if scale.numel() == 1 and scale.dim() <= 2:
         return (1, False)  # stride 0 (see _scale_view): every row reads the one value
@@ -69,7 +74,7 @@ def scale_layout(scale: torch.Tensor, rows: int, k: int, operand: str) -> tuple[
         return (1, False)
     if shape == (rows, kb):
         return (1, True)
-    if shape == (-(-rows // SCALE_K), kb):
+    if shape == (kp_core.cdiv(rows, SCALE_K), kb):
         return (SCALE_K, True)
     return None
 
@@ -92,16 +97,6 @@ def _expand(scale: torch.Tensor, rows: int, k: int, layout: tuple[int, bool], op
     return s.repeat_interleave(SCALE_K, 1)[:, :k] if along_k else s.expand(rows, k)
 
 
-def _reference_activation(activation: str):
-    return {
-        "none": lambda t: t,
-        "relu": torch.relu,
-        "gelu": torch.nn.functional.gelu,
-        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-        "silu": torch.nn.functional.silu,
-    }[activation]
-
-
 def _reference(a, b, scale_a, scale_b, bias, activation, out_dtype):
     """float32 PyTorch: dequantised operands, one matmul, the epilogue (the CPU path without Triton)."""
     m, k = a.shape
@@ -111,8 +106,7 @@ def _reference(a, b, scale_a, scale_b, bias, activation, out_dtype):
     y = af @ bf
     if bias is not None:
         y = y + bias.float()
-    y = _reference_activation(activation)(y)
-    return y.to(out_dtype)
+    return reference(y, NAMES[activation]).to(out_dtype)
 
 
 def forward(
@@ -143,7 +137,7 @@ def forward(
         if y is not None:
             return y
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)  # after the route: it returns its own
-    soft = _soft(backend)
+    soft = soft_float8(backend)
     tile = BLOCKWISE_TILE if k_a or k_b else TILE
     bm, bn, bk, warps, stages, group = INTERPRET_TILE if backend == kp_core.INTERPRET else SOFT_TILE if soft else tile
     promote = 0 if use_fast_accum else PROMOTE_K
@@ -155,7 +149,7 @@ def forward(
         bk = min(bk, SCALE_K)
     sa, sa_m, sa_k = _scale_view(scale_a, "a")
     sb, sb_n, sb_k = _scale_view(scale_b, "b")
-    grid = -(-m // bm) * -(-n // bn)
+    grid = kp_core.cdiv(m, bm) * kp_core.cdiv(n, bn)
     kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
     bt = b.t()  # (N, K) row-major: B's columns are its rows
     a_in, b_in = (a.view(torch.uint8), bt.view(torch.uint8)) if soft else (a, bt)
@@ -168,7 +162,7 @@ def forward(
         SB_K=k_b,
         SCALE_K=SCALE_K,
         HAS_BIAS=bias is not None,
-        ACT=ACTIVATIONS.index(activation),
+        ACT=int(NAMES[activation]),
         STORE_PRE=False,
         A_E5M2=a.dtype == torch.float8_e5m2,
         B_E5M2=b.dtype == torch.float8_e5m2,

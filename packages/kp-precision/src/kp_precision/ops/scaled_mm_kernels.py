@@ -6,27 +6,22 @@ under the interpreter, whose float8 decoding is wrong for NaN and for some e5m2 
 exactly from their bits. A scale that is constant along K
 (tensorwise, per row, per column) is applied once in the epilogue; one that changes every SCALE_K elements of K
 (blockwise) multiplies each SCALE_K-long partial product, so BLOCK_K divides SCALE_K. Then bias, the activation
-and the cast to C's dtype, still in registers.
+(ACT: a kp_core.Activation value; its Triton form is kp_core.activation_kernels') and the cast to C's dtype, still
+in registers. `_epilogue` is the same epilogue as a pass of its own, over a float32 product cuBLASLt made.
 """
 
 import triton
 import triton.language as tl
 
-from kp_precision.ops.quantize_kernels import _fp8_value
-
-# the activations of the epilogue (kp_precision.ops.scaled_mm.ACTIVATIONS maps names to these)
-NONE = tl.constexpr(0)
-RELU = tl.constexpr(1)
-GELU = tl.constexpr(2)
-GELU_TANH = tl.constexpr(3)
-SILU = tl.constexpr(4)
+from kp_core.activation_kernels import act_fwd
+from kp_precision.ops.kernel_helpers import fp8_value, grouped_tile
 
 
 @triton.jit
 def _operand(ptr, mask, E5M2: tl.constexpr, SOFT: tl.constexpr):
     # one return: the compiler type-checks every return of a function, even one a constexpr branch skips
     if SOFT:  # ptr is a uint8 view of the float8 data
-        x = _fp8_value(tl.load(ptr, mask=mask, other=0).to(tl.int32), E5M2)
+        x = fp8_value(tl.load(ptr, mask=mask, other=0).to(tl.int32), E5M2)
     else:
         x = tl.load(ptr, mask=mask, other=0.0)
     return x
@@ -43,40 +38,6 @@ def _dot(a, b, acc, SOFT: tl.constexpr, PROMOTE_K: tl.constexpr):
         # the partial sum is added to the float32 one (Triton's max_num_imprecise_acc; 16-bit dots ignore it)
         acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
     return acc
-
-
-@triton.jit
-def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """First row and column of output tile number `tile`, in grouped order: GROUP_M row tiles share each column
-    tile while its B block is in L2."""
-    n_m = tl.cdiv(M, BLOCK_M)
-    n_n = tl.cdiv(N, BLOCK_N)
-    first_m = (tile // (GROUP_M * n_n)) * GROUP_M
-    size_m = min(n_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % (GROUP_M * n_n)) % size_m
-    pid_n = (tile % (GROUP_M * n_n)) // size_m
-    return pid_m * BLOCK_M, pid_n * BLOCK_N
-
-
-@triton.jit
-def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """The rows and columns of this program's tile of C (_tile_origin's order)."""
-    row, col = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    return row + tl.arange(0, BLOCK_M), col + tl.arange(0, BLOCK_N)
-
-
-@triton.jit
-def _activation(y, ACT: tl.constexpr):
-    if ACT == RELU:
-        y = tl.maximum(y, 0.0)
-    elif ACT == GELU:  # exact: x * Phi(x)
-        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
-    elif ACT == GELU_TANH:  # tanh(u) = 2 * sigmoid(2u) - 1, so 0.5 * (1 + tanh(u)) = sigmoid(2u)
-        u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
-        y = y * tl.sigmoid(2.0 * u)
-    elif ACT == SILU:
-        y = y * tl.sigmoid(y)
-    return y
 
 
 @triton.jit
@@ -120,7 +81,7 @@ def _scaled_mm(
     elements (then its K index is k // SCALE_K). Tensorwise scales have stride 0. STORE_PRE: also store the
     value before the activation in PRE (C's strides), for a backward. With float16 / bfloat16 operands and unit
     scales this is kp_precision's fused linear + activation."""
-    rm, rn = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm, rn = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rk = tl.arange(0, BLOCK_K)
     a_ptr = A + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
     b_ptr = B + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]
@@ -151,31 +112,8 @@ def _scaled_mm(
     offs = rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
     if STORE_PRE:
         tl.store(PRE + offs, acc.to(PRE.dtype.element_ty), mask=mask)
-    acc = _activation(acc, ACT)
+    acc = act_fwd(acc, ACT)
     tl.store(C + offs, acc.to(C.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _activation_grad(DY, Z, DZ, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """DZ = DY * act'(Z), elementwise over n contiguous elements, in float32."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACT == RELU:
-        d = tl.where(z > 0, 1.0, 0.0)
-    elif ACT == GELU:  # Phi(z) + z * phi(z)
-        d = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476)) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
-    elif ACT == GELU_TANH:  # 0.5 (1 + t) + 0.5 z (1 - t^2) u', t = tanh(u) = 2 sigmoid(2u) - 1
-        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
-        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
-        d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * z * z)
-    elif ACT == SILU:  # s (1 + z (1 - s))
-        s = tl.sigmoid(z)
-        d = s * (1.0 + z * (1.0 - s))
-    else:
-        d = tl.full(z.shape, 1.0, tl.float32)
-    tl.store(DZ + offs, (dy * d).to(DZ.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -187,4 +125,4 @@ def _epilogue(C, BIAS, OUT, n, cols, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, 
     y = tl.load(C + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(BIAS + offs % cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, _activation(y, ACT).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + offs, act_fwd(y, ACT).to(OUT.dtype.element_ty), mask=mask)

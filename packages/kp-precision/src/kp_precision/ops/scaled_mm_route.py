@@ -1,4 +1,5 @@
-"""Which float8 scaled matmuls kp hands to cuBLASLt, and the call (kp_precision.ops.scaled_mm's docstring says why).
+"""Which float8 scaled matmuls kp hands to cuBLASLt, and the call (kp_precision.ops.scaled_mm's docstring says why):
+part of kp::scaled_mm, which imports this module (this module imports nothing of it).
 
 Precise (use_fast_accum=False) tensorwise and per-row / per-column calls go to torch._scaled_mm, whose
 accumulation matches the kernel's promotion every 128 and which runs it about 3x faster on the H100. Whether the
@@ -7,16 +8,18 @@ then refuses falls back to the kernel. Blockwise calls with 1 x 128 blocks of A 
 B go to torch.nn.functional.scaled_mm's blockwise recipes where the installed torch has it (it promotes every 128 like
 the kernel, fast or not); a call it refuses (its dtypes, shapes or this GPU) runs the kernel.
 kp_core.settings("scaled_mm_route", cublas=False) turns the route off (the conformance specs check the kernel
-that way, and the route on its own).
+that way, and the route on its own). The epilogue after cuBLASLt's product is scaled_mm_kernels._epilogue.
 """
 
 import torch
 
 import kp_core
+from kp_core.activation import NAMES, reference
 
 if kp_core.has_triton():
     from kp_precision.ops import scaled_mm_kernels as kernels
 
+OP = "kp::scaled_mm"  # the op this module is part of (kp_precision.ops.scaled_mm.OP)
 # The launch record's backend for a call that ran on cuBLASLt.
 LIBRARY = "library"
 ELEMENTS = 4096  # per program of the epilogue
@@ -83,7 +86,7 @@ def _blockwise_call(a, b, scale_a, scale_b, kinds, out_dtype):
     else:
         # B's 128 x 128 scale: (K/128, N/128), K-blocks fastest and padded to a multiple of 4 (never read)
         kb, nb = scale_b.shape
-        sb = torch.ones((nb, -(-kb // 4) * 4), device=scale_b.device)
+        sb = torch.ones((nb, kp_core.cdiv(kb, 4) * 4), device=scale_b.device)
         sb[:, :kb] = scale_b.t()
         sb = sb.t()
     kind = torch.nn.functional.ScalingType
@@ -105,26 +108,24 @@ def run(a, b, scale_a, scale_b, layouts, bias, activation, out_dtype):
     except (RuntimeError, ValueError, NotImplementedError):
         return None
     name = "torch.nn.functional.scaled_mm" if kinds else "torch._scaled_mm"
-    kp_core.note_launch("kp::scaled_mm", name, LIBRARY)
+    kp_core.note_launch(OP, name, LIBRARY)
     return y if plain else epilogue(y, bias, activation, out_dtype)
 
 
 def epilogue(y: torch.Tensor, bias: torch.Tensor | None, activation: str, out_dtype: torch.dtype) -> torch.Tensor:
     """act(y + bias) cast to out_dtype for a contiguous float32 (M, N) product, in one pass (the kernel's epilogue
     rounding: the float32 sum, bias and activation rounded once); in place when out_dtype is float32."""
-    from kp_precision.ops.scaled_mm import ACTIVATIONS, _reference_activation  # here: scaled_mm imports this module
-
     out = y if out_dtype == torch.float32 else torch.empty(y.shape, dtype=out_dtype, device=y.device)
     if y.numel() == 0:
         return out
-    backend = kp_core.choose_backend("kp::scaled_mm", y)
+    backend = kp_core.choose_backend(OP, y)
     if backend == kp_core.REFERENCE:
-        kp_core.reference("kp::scaled_mm")
-        return out.copy_(_reference_activation(activation)(y if bias is None else y + bias.float()))
+        kp_core.reference(OP)
+        return out.copy_(reference(y if bias is None else y + bias.float(), NAMES[activation]))
     n = y.numel()
     block = INTERPRET_ELEMENTS if backend == kp_core.INTERPRET else ELEMENTS
-    grid = -(-n // block)
+    grid = kp_core.cdiv(n, block)
     args = (y, y if bias is None else bias, out, n, y.shape[1])
-    consts = dict(HAS_BIAS=bias is not None, ACT=ACTIVATIONS.index(activation), BLOCK=block)
-    kp_core.launch("kp::scaled_mm", backend, kernels._epilogue, (grid,), args, consts, 8)
+    consts = dict(HAS_BIAS=bias is not None, ACT=int(NAMES[activation]), BLOCK=block)
+    kp_core.launch(OP, backend, kernels._epilogue, (grid,), args, consts, 8)
     return out

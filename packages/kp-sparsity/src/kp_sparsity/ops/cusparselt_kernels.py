@@ -11,7 +11,7 @@ position) and the package tests compare kp's packing with it bit for bit.
 import triton
 import triton.language as tl
 
-from kp_sparsity.ops.prune_kernels import _kept_pairs, _split4
+from kp_sparsity.ops.prune_kernels import kept_pairs, split4
 
 
 @triton.jit
@@ -20,8 +20,8 @@ def _store_compressed(w, keep, OUT, META, r0, c0, R, C):
     along C; BR a multiple of 64, BC of 32)."""
     BR: tl.constexpr = w.shape[0]
     BC: tl.constexpr = w.shape[1]
-    k0, k1, k2, k3 = _split4(keep.to(tl.int8))
-    values, nib = _kept_pairs(w, k0 != 0, k1 != 0, k2 != 0, k3 != 0)  # nib: (BR, BC / 4)
+    k0, k1, k2, k3 = split4(keep.to(tl.int8))
+    values, nib = kept_pairs(w, k0 != 0, k1 != 0, k2 != 0, k3 != 0)  # nib: (BR, BC / 4)
     rr = r0 + tl.arange(0, BR)
     rv = c0 // 2 + tl.arange(0, BC // 2)
     tl.store(OUT + rr.to(tl.int64)[:, None] * (C // 2) + rv[None, :], values)

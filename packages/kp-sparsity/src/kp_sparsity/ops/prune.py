@@ -96,7 +96,7 @@ def forward(
     else:
         t = kp_core.settings("_prune_2_4", block_m=TILE[0], block_k=TILE[1], num_warps=TILE[2])
         bm, bk, warps = t["block_m"], t["block_k"], t["num_warps"]
-    grid = -(-m // bm) * -(-k // bk)
+    grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
     kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
     dummy = weight  # stands for an output the call does not write (its constexpr switch is off)
     args = (
@@ -172,7 +172,7 @@ def mask_transposable(weight: torch.Tensor, column_scale: torch.Tensor | None) -
         # tf32x3: three tensor-core products, 22 of float32's 24 bits (2x the speed of "ieee" on an H200)
         t = kp_core.settings("_mask_2_4_transposable", block_m=32, block_k=64, num_warps=4, precision="tf32x3")
         bm, bk, warps, precision = t["block_m"], t["block_k"], t["num_warps"], t["precision"]
-    grid = -(-m // bm) * -(-k // bk)
+    grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
     kp_core.check_index_fits(OP_T, "the launch grid (programs)", grid)
     scale = column_scale if column_scale is not None else weight
     args = (weight, weight.stride(0), scale, _table(weight.device), mask.view(torch.int8), m, k, len(patterns()))

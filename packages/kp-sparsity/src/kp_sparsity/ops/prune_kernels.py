@@ -11,7 +11,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _split4(t):
+def split4(t):
     """The 4 entries of each group of a (BM, BK) tile as 4 (BM, BK / 4) tensors."""
     pairs = tl.reshape(t, (t.shape[0], t.shape[1] // 4, 2, 2))
     even, odd = tl.split(pairs)  # [..., p, 0] and [..., p, 1]: entries (0, 2) and (1, 3)
@@ -21,10 +21,10 @@ def _split4(t):
 
 
 @triton.jit
-def _kept_pairs(w, keep0, keep1, keep2, keep3):
+def kept_pairs(w, keep0, keep1, keep2, keep3):
     """Each group's 2 kept entries in index order, (BM, BK / 2), and their indices as a nibble, first | second
     << 2, (BM, BK / 4) int32, for a (BM, BK) tile whose groups keep exactly 2 (keepN: the group's entry N)."""
-    w0, w1, w2, w3 = _split4(w)
+    w0, w1, w2, w3 = split4(w)
     # the first kept index is 0, 1 or else 2; the second is 3, 2 or else 1
     first = tl.where(keep0, 0, tl.where(keep1, 1, 2))
     second = tl.where(keep3, 3, tl.where(keep2, 2, 1))
@@ -87,7 +87,7 @@ def _prune_2_4(
 ):
     rm, rk, inside, w, score = _load_scores(W, stride_w, SCALE, M, K, HAS_SCALE, BLOCK_M, BLOCK_K)
     score = tl.where(score != score, float("inf"), score)  # NaN ranks as the largest: it is kept, not hidden
-    s0, s1, s2, s3 = _split4(score)
+    s0, s1, s2, s3 = split4(score)
     # rank = how many of the group beat this entry: a larger score, or an equal one at a lower index
     keep0 = ((s1 > s0).to(tl.int32) + (s2 > s0).to(tl.int32) + (s3 > s0).to(tl.int32)) < 2
     keep1 = ((s0 >= s1).to(tl.int32) + (s2 > s1).to(tl.int32) + (s3 > s1).to(tl.int32)) < 2
@@ -101,7 +101,7 @@ def _prune_2_4(
     if WRITE_DENSE:
         tl.store(OUT + offs, tl.where(keep, w, tl.zeros_like(w)), mask=inside)
     if WRITE_PACKED:
-        values, nibble = _kept_pairs(w, keep0, keep1, keep2, keep3)
+        values, nibble = kept_pairs(w, keep0, keep1, keep2, keep3)
         tile_m, tile_k = tl.program_id(0) // tl.cdiv(K, BLOCK_K), tl.program_id(0) % tl.cdiv(K, BLOCK_K)
         rv = tile_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         tl.store(

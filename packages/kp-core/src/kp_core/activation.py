@@ -1,0 +1,67 @@
+"""Activations fused into kp kernels: one enum for Python and the kernels, the names users pass, the PyTorch
+reference.
+
+Every package numbers its activations with `Activation` (the kernels switch on its values through
+kp_core.activation_kernels: kp-norms' norm and gated-activation kernels, kp-precision's scaled-matmul epilogue
+and linear + activation). Each op accepts the names it lists (`by_name(op, name, accepted)`), so a package
+takes exactly the activations its kernels are tested with.
+"""
+
+import enum
+
+import torch
+import torch.nn.functional as F
+
+from kp_core import constants
+
+
+class Activation(enum.IntEnum):
+    NONE = 0
+    SILU = 1
+    GELU = 2  # the exact (erf) form, F.gelu(approximate="none")
+    GELU_TANH = 3  # F.gelu(approximate="tanh")
+    RELU = 4
+
+
+# The name of each activation, as users pass it (None is NONE too).
+NAMES = {a.name.lower(): a for a in Activation}
+
+
+def by_name(op: str, name, accepted: tuple = (None, *NAMES)) -> Activation:
+    """The Activation called `name`; ValueError naming `op` and its `accepted` names otherwise."""
+    if name not in accepted:
+        names = ", ".join(repr(k) for k in accepted)
+        raise ValueError(f"{op}: activation must be one of {names}, got {name!r}")
+    return Activation.NONE if name is None else NAMES[name]
+
+
+def reference(z: torch.Tensor, act: int) -> torch.Tensor:
+    """The activation by PyTorch's own functions."""
+    if act == Activation.SILU:
+        return F.silu(z)
+    if act == Activation.GELU:
+        return F.gelu(z)
+    if act == Activation.GELU_TANH:
+        return F.gelu(z, approximate="tanh")
+    if act == Activation.RELU:
+        return torch.relu(z)
+    return z
+
+
+def reference_with_grad(g: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(g), act'(g)) with torch ops in g's dtype, by the formulas of kp_core.activation_kernels.act (1 -
+    sigmoid(x) as sigmoid(-x), as the kernels' product form)."""
+    if act == Activation.GELU:
+        cdf = 0.5 * (1 + torch.erf(g * constants.SQRT1_2))
+        return g * cdf, cdf + g * torch.exp(-0.5 * g * g) * constants.INV_SQRT_2PI
+    if act == Activation.SILU:
+        s, s_c = torch.sigmoid(g), torch.sigmoid(-g)
+        return g * s, s * (1 + g * s_c)
+    if act == Activation.GELU_TANH:
+        c = 2 * constants.SQRT_2_OVER_PI
+        z2 = c * (g + constants.GELU_TANH_CUBIC * g**3)
+        s, s_c = torch.sigmoid(z2), torch.sigmoid(-z2)
+        return g * s, s * (1 + c * g * s_c * (1 + 3 * constants.GELU_TANH_CUBIC * g * g))
+    if act == Activation.RELU:
+        return torch.relu(g), (g > 0).to(g.dtype)
+    return g, torch.ones_like(g)
