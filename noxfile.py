@@ -72,6 +72,7 @@ def lint(session: nox.Session) -> None:
         session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", str(ROOT / "docs" / "check_imports.py"))  # no import circles or private imports
 
 
 @nox.session(python="3.11", tags=["ci"])
