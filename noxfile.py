@@ -124,12 +124,11 @@ def mutants(session: nox.Session) -> None:
     nox -s mutants -- --package kp-norms --sample 20 --jobs 2 --out docs/mutants.md
     """
     _install_torch(session)
-    env = {}
     if _installing(session):
         session.install(*TEST_DEPS)
         session.install("--no-deps", str(ROOT / "conformance"))
-    else:
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "conformance" / "src"), os.environ.get("PYTHONPATH", "")])
+    # The packages too: the spec registry, which maps a package to its specs, imports every spec and package.
+    env = _install_packages(session, *PACKAGES)
     # Each mutant runs on its own copy of packages/ and conformance/, with their src folders on PYTHONPATH.
     session.run("python", "-m", "kp_conformance.mutants", "--root", str(ROOT), *session.posargs, env=env)
 
@@ -152,7 +151,11 @@ def memcheck(session: nox.Session) -> None:
 @nox.session(name="conformance-report", python="3.11")
 def conformance_report(session: nox.Session) -> None:
     """Merge conformance/reports/*.json into docs/conformance-matrix.md."""
-    env = {"PYTHONPATH": str(ROOT / "conformance" / "src")}
+    _install_torch(session)  # kp_conformance's package imports torch, pytest and hypothesis, and kp-core
+    if _installing(session):
+        session.install(*TEST_DEPS)
+    env = _install_packages(session, "kp-core")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "conformance" / "src"), env.get("PYTHONPATH", "")])
     session.run("python", "-m", "kp_conformance.report", env=env)
 
 

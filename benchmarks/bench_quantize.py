@@ -144,49 +144,18 @@ def main() -> None:
             check_correct(x, mode)
             for name, fn in providers(mode).items():
                 row = dict(group="headline", M=m, N=n, mode=mode, provider=name)
-                for timing in ("graph", "eager"):
-                    bench = harness.bench_graph_ms if timing == "graph" else harness.bench_ms
-                    try:
-                        with torch.no_grad():
-                            ms = bench(lambda fn=fn, x=x: fn(x))
-                    except Exception as e:
-                        print(f"{name} ({timing}) failed at {m}x{n} {mode}: {type(e).__name__}: {str(e)[:200]}")
-                        continue
-                    bw = 3 * m * n / ms / 1e6
-                    row.update({f"ms_{timing}": ms, f"gbps_{timing}": bw, f"pct_copy_{timing}": 100 * bw / copy})
-                rows.append(row)
+                with torch.no_grad():
+                    rows.append(harness.timed(row, lambda fn=fn, x=x: fn(x), nbytes=3 * m * n, copy_gbps=copy))
     meta = {"kernel": "quantize", "op": "quantize", "dtype": "bfloat16 -> float8_e4m3fn", "copy_gbps": copy}
     meta.update(harness.versions())
     note = "; bytes 3*M*N (read bf16, write fp8); dynamic tensorwise must read twice (see the script)"
     md = harness.render(harness.header("Float8 quantisation", meta, note), meta, rows)
-    out = harness.write_results("quantize", meta, rows, md, lambda path: _plot(rows, meta, path))
+    title = f"float8 quantisation, bf16 -> e4m3, {meta['device']}"
+    ylabel = "GB/s (3*M*N bytes), CUDA graph"
+    plot = lambda path: harness.plot_bars(rows, meta, path, SHAPES, list(RECIPES), "gbps_graph", ylabel, title)  # noqa: E731
+    out = harness.write_results("quantize", meta, rows, md, plot)
     print(md)
     print(f"wrote {out}")
-
-
-def _plot(rows, meta, path) -> None:
-    """GB/s (graph timing) per recipe at each shape, kp beside the anchors."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(SHAPES), figsize=(5 * len(SHAPES), 4.5), sharey=True)
-    for ax, (m, n) in zip(axes, SHAPES):
-        sub = [r for r in rows if r["M"] == m and r["N"] == n and "gbps_graph" in r]
-        names = list(dict.fromkeys(r["provider"] for r in sub))
-        modes = list(RECIPES)
-        width = 0.8 / max(1, len(names))
-        for i, name in enumerate(names):
-            vals = [
-                next((r["gbps_graph"] for r in sub if r["provider"] == name and r["mode"] == md), 0) for md in modes
-            ]
-            ax.bar([j + i * width for j in range(len(modes))], vals, width, label=name)
-        ax.axhline(meta["copy_gbps"], color="grey", ls="--", lw=1)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes, rotation=30, fontsize=8)
-        ax.set_title(f"{m} x {n}")
-    axes[0].set_ylabel("GB/s (3*M*N bytes), CUDA graph")
-    axes[-1].legend(fontsize=8)
-    fig.suptitle(f"float8 quantisation, bf16 -> e4m3, {meta['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import re
@@ -17,6 +18,27 @@ def require_gpu() -> None:
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA/ROCm GPU; none found, nothing measured.")
         sys.exit(0)
+
+
+def start(doc: str, smoke) -> float | None:
+    """A benchmark's command line and start: with --smoke, run smoke() (the script's mechanics on the CPU, kp under
+    Triton's interpreter) and return None; else, on a GPU, this run's copy bandwidth in GB/s."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny inputs, each provider once; nothing written")
+    if parser.parse_args().smoke:
+        smoke()
+        return None
+    require_gpu()
+    copy = copy_bandwidth_gbps()
+    print(f"device copy bandwidth this run: {copy:.0f} GB/s")
+    return copy
+
+
+def run_each(label: str, fns: dict) -> None:
+    """A smoke run's calls: each provider once, saying so (an exception stops the run)."""
+    for name, fn in fns.items():
+        fn()
+        print(f"smoke: {label}: {name} ran")
 
 
 def device_slug() -> str:
@@ -36,6 +58,27 @@ def bench_graph_ms(fn, grad_to_none=None) -> float:
     from triton.testing import do_bench_cudagraph
 
     return do_bench_cudagraph(fn, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def timed(row: dict, fn, nbytes: int = 0, flops: int = 0, copy_gbps: float = 0.0) -> dict:
+    """row (a provider's case: provider, mode, M, N and maybe K) with fn's median ms under both timings, CUDA-graph
+    replay and plain launches, as ms_<timing>; GB/s of nbytes (and % of copy_gbps) and TFLOP/s of flops where given.
+    A timing that fails is printed and left out of the row, so the other providers still run."""
+    shape = " x ".join(str(row[k]) for k in ("M", "K", "N") if k in row)
+    for timing, bench in (("graph", bench_graph_ms), ("eager", bench_ms)):
+        try:
+            ms = bench(fn)
+        except Exception as e:
+            print(f"{row['provider']} ({timing}) failed at {shape} {row['mode']}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        row[f"ms_{timing}"] = ms
+        if nbytes:
+            row[f"gbps_{timing}"] = nbytes / ms / 1e6
+            if copy_gbps:
+                row[f"pct_copy_{timing}"] = 100 * row[f"gbps_{timing}"] / copy_gbps
+        if flops:
+            row[f"tflops_{timing}"] = flops / ms / 1e9
+    return row
 
 
 def copy_bandwidth_gbps(nbytes: int = 1 << 30, timer=None) -> float:
@@ -208,22 +251,28 @@ def render_tflops(title: str, meta: dict, rows: list[dict], note: str, ratio) ->
 
 def plot_tflops(rows: list[dict], meta: dict, path, shapes: list, modes: list, title: str) -> None:
     """TFLOP/s (graph timing): one panel per (M, K, N) shape, bars per mode and provider."""
+    plot_bars(rows, meta, path, shapes, modes, "tflops_graph", "TFLOP/s, CUDA graph", f"{title}, {meta['device']}")
+
+
+def plot_bars(rows: list[dict], meta: dict, path, shapes: list, modes: list, value: str, ylabel: str, title: str):
+    """`value` (a graph-timing column) as bars per mode and provider, one panel per shape ((M, N) or (M, K, N), as
+    the rows have them); GB/s panels show the run's copy bandwidth dashed."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.5 * len(shapes), 4.5), sharey=True, squeeze=False)
-    for ax, (m, k, n) in zip(axes[0], shapes):
-        sub = [r for r in rows if (r["M"], r["K"], r["N"]) == (m, k, n) and "tflops_graph" in r]
+    for ax, shape in zip(axes[0], shapes):
+        sub = [r for r in rows if tuple(r[k] for k in ("M", "K", "N") if k in r) == tuple(shape) and value in r]
         names = list(dict.fromkeys(r["provider"] for r in sub))
         width = 0.8 / max(1, len(names))
         for i, name in enumerate(names):
-            vals = [
-                next((r["tflops_graph"] for r in sub if r["provider"] == name and r["mode"] == md), 0) for md in modes
-            ]
+            vals = [next((r[value] for r in sub if r["provider"] == name and r["mode"] == md), 0) for md in modes]
             ax.bar([j + i * width for j in range(len(modes))], vals, width, label=name)
+        if value.startswith("gbps"):
+            ax.axhline(meta["copy_gbps"], color="grey", ls="--", lw=1)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes, rotation=30, fontsize=8)
-        ax.set_title(f"{m} x {k} x {n}", fontsize=9)
-    axes[0][0].set_ylabel("TFLOP/s, CUDA graph")
+        ax.set_title(" x ".join(map(str, shape)), fontsize=9)
+    axes[0][0].set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"{title}, {meta['device']}")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -33,6 +33,7 @@ VARLEN, VARLEN_BWD = "kp::flash_attention_varlen", "kp::flash_attention_varlen_b
 kc.declare(
     kc.Spec(
         name="attention",
+        package="kp-attention",
         ops=(FWD, BWD, VARLEN, VARLEN_BWD),
         reference=(
             "softmax(scale * Q K^T + mask) V in float64 (Vaswani et al. 2017, eq. 1); causal diagonal aligned "
@@ -433,11 +434,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.conformance(kernel="flash_attention", prop="bad_input")
-@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(what, call, error, words):
-    with pytest.raises(error, match=words):
-        call()
+test_bad_input = kc.bad_input_test("flash_attention", BAD_INPUTS)
 
 
 @pytest.mark.conformance(kernel="flash_attention", prop="opcheck")

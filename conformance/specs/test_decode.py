@@ -27,6 +27,7 @@ EXAMPLES = 6 if kc.interpreting() else TIER.max_examples
 kc.declare(
     kc.Spec(
         name="decode",
+        package="kp-attention",
         ops=(OP,),
         reference=(
             "softmax(scale * q K^T) V over each sequence's cached keys in float64 (Vaswani et al. 2017, eq. 1), "

@@ -30,6 +30,7 @@ GROUPS = (None, 8, 32, 128)
 kc.declare(
     kc.Spec(
         name="fake_quantize",
+        package="kp-precision",
         ops=(OP,),
         reference=(
             "symmetric integer quantisation in plain PyTorch (scale = amax / qmax per group or row, round half to "
@@ -256,11 +257,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.conformance(kernel="fake_quantize", prop="bad_input")
-@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(what, call, error, words):
-    with pytest.raises(error, match=words):
-        call(DEVICE)
+test_bad_input = kc.bad_input_test("fake_quantize", BAD_INPUTS, DEVICE)
 
 
 def test_layers_that_do_not_fit_stay():

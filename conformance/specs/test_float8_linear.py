@@ -41,6 +41,7 @@ CONFIGS = (
 kc.declare(
     kc.Spec(
         name="float8_linear",
+        package="kp-precision",
         ops=OPS,
         reference=(
             "each recipe in plain PyTorch: operands cast by the float8 recipe (bit-exact with torch's cast), "
@@ -387,11 +388,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.conformance(kernel="float8_linear", prop="bad_input")
-@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(what, call, error, words):
-    with pytest.raises(error, match=words):
-        call(DEVICE)
+test_bad_input = kc.bad_input_test("float8_linear", BAD_INPUTS, DEVICE)
 
 
 @pytest.mark.conformance(kernel="float8_linear", prop="compile")

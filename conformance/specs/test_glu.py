@@ -26,6 +26,7 @@ PACKED_OPS = ("kp::glu_packed", "kp::glu_packed_backward")
 kc.declare(
     kc.Spec(
         name="glu",
+        package="kp-norms",
         ops=SPLIT_OPS + PACKED_OPS,
         reference=(
             "y = act(gate) * up in float64 (Shazeer 2020, 'GLU Variants Improve Transformer', eq. 6): "
@@ -226,11 +227,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.conformance(kernel="glu", prop="bad_input")
-@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(what, call, error, words):
-    with pytest.raises(error, match=words):
-        call(DEVICE)
+test_bad_input = kc.bad_input_test("glu", BAD_INPUTS, DEVICE)
 
 
 @pytest.mark.conformance(kernel="glu", prop="opcheck")

@@ -24,6 +24,7 @@ GPU = DEVICE.type == "cuda"
 kc.declare(
     kc.Spec(
         name="graphs",
+        package="kp-graphs",
         ops=(),
         reference="the function itself, run eagerly on the same inputs padded to the same bucket",
         dtypes=DTYPES,
@@ -249,21 +250,15 @@ def test_decode_loop_with_a_kv_cache(paged):
     assert g.stats.captures == 3
 
 
-@pytest.mark.conformance(kernel="graphs", prop="bad_input")
-@pytest.mark.parametrize(
-    "call,error,words",
-    [
-        (lambda: kp_graphs.graphed(nn.Identity(), buckets="x"), TypeError, "sequence of sizes"),
-        (lambda: kp_graphs.graphed(nn.Identity(), buckets=[0]), ValueError, "positive ints"),
-        (lambda: kp_graphs.graphed(nn.Identity(), buckets=[2], warmup=0), ValueError, "warmup"),
-        (
-            lambda: kp_graphs.graphed(nn.Identity(), buckets=[2])(torch.zeros(2, 3), torch.zeros(3, 3)),
-            ValueError,
-            "disagree",
-        ),
-    ],
-    ids=["buckets type", "bucket size", "warmup", "inputs disagree"],
-)
-def test_bad_input(call, error, words):
-    with pytest.raises(error, match=words):
-        call()
+BAD_INPUTS = [
+    ("buckets type", lambda: kp_graphs.graphed(nn.Identity(), buckets="x"), TypeError, "sequence of sizes"),
+    ("bucket size", lambda: kp_graphs.graphed(nn.Identity(), buckets=[0]), ValueError, "positive ints"),
+    ("warmup", lambda: kp_graphs.graphed(nn.Identity(), buckets=[2], warmup=0), ValueError, "warmup"),
+    (
+        "inputs disagree",
+        lambda: kp_graphs.graphed(nn.Identity(), buckets=[2])(torch.zeros(2, 3), torch.zeros(3, 3)),
+        ValueError,
+        "disagree",
+    ),
+]
+test_bad_input = kc.bad_input_test("graphs", BAD_INPUTS)

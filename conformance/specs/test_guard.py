@@ -12,6 +12,23 @@ from kp_conformance.guard import Guard, GuardError
 
 pytestmark = pytest.mark.skipif(kp_core.launches._guard is None, reason="KP_GUARD=0: the guard is off")
 
+kp_conformance.declare(
+    kp_conformance.Spec(
+        name="guard",
+        package="kp-conformance",
+        ops=(),
+        reference="small kernels of its own, each with a planted bug the guard must report",
+        dtypes=(),
+        properties=(
+            "correct_launch_untouched",
+            "catches_stray_writes",
+            "catches_stray_reads",
+            "catches_discarded_stray_reads",
+            "catches_input_writes",
+        ),
+    )
+)
+
 
 @triton.jit
 def _copy(X, Y, n, sx, sy, SHIFT: tl.constexpr, BLOCK: tl.constexpr):

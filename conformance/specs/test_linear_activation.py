@@ -33,6 +33,7 @@ EPILOGUE = {
 kc.declare(
     kc.Spec(
         name="linear_activation",
+        package="kp-precision",
         ops=OPS,
         reference=(
             "F.linear then the activation in float64 (autograd for gradients); PyTorch in the input's dtype for "
@@ -179,11 +180,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.conformance(kernel="linear_activation", prop="bad_input")
-@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(what, call, error, words):
-    with pytest.raises(error, match=words):
-        call(DEVICE)
+test_bad_input = kc.bad_input_test("linear_activation", BAD_INPUTS, DEVICE)
 
 
 @pytest.mark.conformance(kernel="linear_activation", prop="opcheck")

@@ -29,6 +29,7 @@ OPS = ("kp::mx_quantize", "kp::mx_dequantize", "kp::mx_matmul")
 kc.declare(
     kc.Spec(
         name="mx",
+        package="kp-precision",
         ops=OPS,
         reference=(
             "OCP MX v1.0 conversion in plain PyTorch: X = 2**(floor(log2 amax) - emax) per 32-block (E8M0, NaN for "
@@ -278,11 +279,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.conformance(kernel="mx", prop="bad_input")
-@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(what, call, error, words):
-    with pytest.raises(error, match=words):
-        call(DEVICE)
+test_bad_input = kc.bad_input_test("mx", BAD_INPUTS, DEVICE)
 
 
 CHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")

@@ -31,6 +31,7 @@ FWD, BWD, INPLACE = norm_mod.OP, norm_mod.OP_BWD, norm_mod.OP_INPLACE
 kc.declare(
     kc.Spec(
         name="norm",
+        package="kp-norms",
         ops=("kp::norm", "kp::norm_backward", "kp::add_norm_"),
         reference=(
             "float64 formulas: RMSNorm (Zhang & Sennrich 2019, eq. 4; torch.nn.RMSNorm), Gemma's (1 + w) and "
@@ -263,7 +264,9 @@ def looped_path(n: int):
     """Pins the row kernels to their looped (wide-row) form for rows of n columns: every width, every tier, reaches
     the looped kernels with whatever switches the case has, in chunks of at most a third of the row (so chunks
     merge), at least 16 columns."""
-    return kp_core.pinned("row_config", max_fused_cols=0, loop_block_cols=max(16, kp_core.next_power_of_2(-(-n // 3))))
+    return kp_core.pinned(
+        "row_config", max_fused_cols=0, loop_block_cols=max(16, kp_core.next_power_of_2(kp_core.cdiv(n, 3)))
+    )
 
 
 def check_drawn_cases(name, dtype, with_grads: bool, looped: bool):
@@ -540,11 +543,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.conformance(kernel="norm", prop="bad_input")
-@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(what, call, error, words):
-    with pytest.raises(error, match=words):
-        call(DEVICE)
+test_bad_input = kc.bad_input_test("norm", BAD_INPUTS, DEVICE)
 
 
 OPCHECK_FLAGS = [  # (residual, bias, rms, offset, round_n, act, weight dtype)

@@ -37,6 +37,7 @@ RECIPES = (
 kc.declare(
     kc.Spec(
         name="quantize",
+        package="kp-precision",
         ops=OPS,
         reference=(
             "float32 PyTorch from the recipe (torchao's float8 scaling, OCP FP8 formats): amax = max |x| per block, "
@@ -337,11 +338,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.conformance(kernel="quantize", prop="bad_input")
-@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(what, call, error, words):
-    with pytest.raises(error, match=words):
-        call(DEVICE)
+test_bad_input = kc.bad_input_test("quantize", BAD_INPUTS, DEVICE)
 
 
 DEQ_CHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")

@@ -38,6 +38,7 @@ EDGES = (16, 32, 112, 128, 144, 256, 272)  # multiples of 16 around the 128-wide
 kc.declare(
     kc.Spec(
         name="scaled_mm",
+        package="kp-precision",
         ops=(OP,),
         reference=(
             "float64 PyTorch: float8 operands decoded by torch's cast, times their scales per element (tensorwise, "
@@ -81,7 +82,7 @@ def make_scale(kind, rows, k, operand_name, seed):
     """A float32 scale of the recipe `kind` for an operand of `rows` rows (M of a, N of b) and depth k: random
     powers of two and not, 2**-8 .. 2**2. b's are made as (rows, K-blocks) and transposed, as a weight's are."""
     g = torch.Generator().manual_seed(seed)
-    kb, rb = -(-k // 128), -(-rows // 128)
+    kb, rb = kp_core.cdiv(k, 128), kp_core.cdiv(rows, 128)
     shape = {"tensor": (), "row": (rows, 1), "column": (rows, 1), "block": (rows, kb), "square": (rb, kb)}[kind]
     s = torch.exp2(torch.rand(shape, generator=g) * 10 - 8).to(DEVICE)
     return s if operand_name == "a" or kind == "tensor" else s.t()
@@ -344,11 +345,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.conformance(kernel="scaled_mm", prop="bad_input")
-@pytest.mark.parametrize("what,call,error,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(what, call, error, words):
-    with pytest.raises(error, match=words):
-        call(DEVICE)
+test_bad_input = kc.bad_input_test("scaled_mm", BAD_INPUTS, DEVICE)
 
 
 @pytest.mark.conformance(kernel="scaled_mm", prop="opcheck")

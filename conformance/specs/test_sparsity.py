@@ -41,6 +41,7 @@ OP_C = "kp::pack_2_4_cusparselt"
 kc.declare(
     kc.Spec(
         name="sparsity",
+        package="kp-sparsity",
         ops=(OP, OP_T, OP_C),
         reference=(
             "plain PyTorch: per group of 4 along the reduction dim, a stable descending sort of the float32 scores "
@@ -311,53 +312,41 @@ def _w(shape, dtype=torch.float16):
     return torch.ones(shape, dtype=dtype, device=DEVICE)
 
 
-@pytest.mark.conformance(kernel="prune_2_4", prop="bad_input")
-@pytest.mark.parametrize(
-    "call,error,words",
-    [
-        (lambda: kp_sparsity.mask_2_4([[1.0] * 4]), TypeError, "weight must be a torch.Tensor"),
-        (lambda: kp_sparsity.mask_2_4(_w((8,))), ValueError, "weight must have 2 dimensions"),
-        (lambda: kp_sparsity.mask_2_4(_w((2, 8, 8))), ValueError, "weight must have 2 dimensions"),
-        (lambda: kp_sparsity.mask_2_4(_w((8, 6))), ValueError, "multiple of 4"),
-        (lambda: kp_sparsity.mask_2_4(_w((6, 8)), transposable=True), ValueError, "rows a multiple of 4"),
-        (lambda: kp_sparsity.mask_2_4(_w((8, 8), torch.int32)), TypeError, "weight must have dtype"),
-        (lambda: kp_sparsity.pack_2_4(_w((32, 64), torch.float32)), TypeError, "weight must have dtype"),
-        (lambda: kp_sparsity.pack_2_4(_w((16, 64))), ValueError, "multiple of 32"),
-        (lambda: kp_sparsity.pack_2_4(_w((32, 48))), ValueError, "multiple of 64"),
-        (
-            lambda: kp_sparsity.mask_2_4(_w((8, 8)), column_scale=torch.ones(4, device=DEVICE)),
-            ValueError,
-            "column_scale must have shape",
-        ),
-        (
-            lambda: kp_sparsity.mask_2_4(_w((8, 8)), column_scale=torch.ones(8, device=DEVICE, dtype=torch.float16)),
-            TypeError,
-            "column_scale must have dtype",
-        ),
-        (
-            lambda: kp_sparsity.unpack_2_4(_w((32, 32)), torch.zeros(32, 3, dtype=torch.int16, device=DEVICE)),
-            ValueError,
-            "meta must have shape",
-        ),
-    ],
-    ids=[
-        "not a tensor",
-        "1-D",
-        "3-D",
-        "K not a multiple of 4",
+BAD_INPUTS = [
+    ("not a tensor", lambda: kp_sparsity.mask_2_4([[1.0] * 4]), TypeError, "weight must be a torch.Tensor"),
+    ("1-D", lambda: kp_sparsity.mask_2_4(_w((8,))), ValueError, "weight must have 2 dimensions"),
+    ("3-D", lambda: kp_sparsity.mask_2_4(_w((2, 8, 8))), ValueError, "weight must have 2 dimensions"),
+    ("K not a multiple of 4", lambda: kp_sparsity.mask_2_4(_w((8, 6))), ValueError, "multiple of 4"),
+    (
         "transposable rows",
-        "integer weight",
-        "fp32 packing",
-        "rows for packing",
-        "columns for packing",
+        lambda: kp_sparsity.mask_2_4(_w((6, 8)), transposable=True),
+        ValueError,
+        "rows a multiple of 4",
+    ),
+    ("integer weight", lambda: kp_sparsity.mask_2_4(_w((8, 8), torch.int32)), TypeError, "weight must have dtype"),
+    ("fp32 packing", lambda: kp_sparsity.pack_2_4(_w((32, 64), torch.float32)), TypeError, "weight must have dtype"),
+    ("rows for packing", lambda: kp_sparsity.pack_2_4(_w((16, 64))), ValueError, "multiple of 32"),
+    ("columns for packing", lambda: kp_sparsity.pack_2_4(_w((32, 48))), ValueError, "multiple of 64"),
+    (
         "column_scale shape",
+        lambda: kp_sparsity.mask_2_4(_w((8, 8)), column_scale=torch.ones(4, device=DEVICE)),
+        ValueError,
+        "column_scale must have shape",
+    ),
+    (
         "column_scale dtype",
+        lambda: kp_sparsity.mask_2_4(_w((8, 8)), column_scale=torch.ones(8, device=DEVICE, dtype=torch.float16)),
+        TypeError,
+        "column_scale must have dtype",
+    ),
+    (
         "meta shape",
-    ],
-)
-def test_bad_input(call, error, words):
-    with pytest.raises(error, match=words):
-        call()
+        lambda: kp_sparsity.unpack_2_4(_w((32, 32)), torch.zeros(32, 3, dtype=torch.int16, device=DEVICE)),
+        ValueError,
+        "meta must have shape",
+    ),
+]
+test_bad_input = kc.bad_input_test("prune_2_4", BAD_INPUTS)
 
 
 @pytest.mark.conformance(kernel="prune_2_4", prop="opcheck")

@@ -23,6 +23,7 @@ import torch
 
 from kp_conformance import census
 from kp_conformance.env import interpreting
+from kp_core import cdiv
 
 CANARY = 0xFF
 PAD = 4096  # bytes on each side: past a row of any tier, so a stray store lands in the canary, not elsewhere
@@ -67,7 +68,7 @@ class _Group:
         # Keep each pointer's 16-byte alignment (Triton specialises on it).
         self.pad = PAD + (first.untyped_storage().data_ptr() + self.lo) % 16
         n = self.hi - self.lo
-        total = -(-(self.pad + n + PAD) // 16) * 16
+        total = cdiv(self.pad + n + PAD, 16) * 16
         self.buffer = torch.full((total,), CANARY, dtype=torch.uint8, device=first.device)
         self.inner = self.buffer[self.pad : self.pad + n]
         # Which bytes of [lo, hi) the views cover: None when one contiguous view covers them all (the common case,

@@ -1,14 +1,16 @@
 """The specs under compute-sanitizer's memcheck, on a CUDA machine: every out-of-bounds or misaligned access of
 every kernel a spec launches, reads included (the canary guard sees writes only).
 
-    python -m kp_conformance.memcheck                       # every spec, micro tier
+    python -m kp_conformance.memcheck                       # every spec that covers kernels, micro tier
     python -m kp_conformance.memcheck --tier small --specs norm glu --jobs 8
     python -m kp_conformance.memcheck --tier small --specs norm --shards 4 --only 0 1   # half of norm's shards
+    python -m kp_conformance.memcheck --specs sparsity --list   # the processes it would run; runs nothing
 
-Each spec runs as one pytest process per dtype (plus one for its dtype-free tests), in parallel: memcheck does
-not follow pytest-xdist's workers. `--shards N` splits each of those selections into N processes by test id
-(round robin over the collected ids), and `--only` runs some shard numbers, so a long tier can be spread over
-several calls of a machine with a per-call time limit.
+The specs and their dtypes come from the spec registry (kp_conformance.registry): any declared spec can be named;
+by default those whose ops are registered kp kernels run. Each spec runs as one pytest process per dtype (plus one
+for its dtype-free tests), in parallel: memcheck does not follow pytest-xdist's workers. `--shards N` splits each
+of those selections into N processes by test id (round robin over the collected ids), and `--only` runs some
+shard numbers, so a long tier can be spread over several calls of a machine with a per-call time limit.
 
 The processes run with KP_MEMCHECK=1 (the conftest then turns the canary guard off and keeps PyTorch's reference
 SDPA off cuDNN, see specs/conftest.py) and without PyTorch's caching allocator, so each tensor is its own
@@ -22,6 +24,7 @@ import argparse
 import concurrent.futures
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -29,19 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-SPECS = {  # spec -> dtype ids its tests are parametrised over
-    "norm": ("float32", "float16", "bfloat16", "float64"),
-    "glu": ("float32", "float16", "bfloat16", "float64"),
-    "attention": ("float16", "bfloat16", "float32"),
-    "decode": ("float16", "bfloat16", "float32"),
-    "quantize": ("float32", "float16", "bfloat16"),
-    "scaled_mm": ("float32", "float16", "bfloat16"),
-    "float8_linear": ("float32", "float16", "bfloat16"),
-    "mx": ("float32", "float16", "bfloat16"),
-    "fake_quantize": ("float32", "float16", "bfloat16"),
-    "linear_activation": ("float16", "bfloat16"),
-    "registry": (),
-}
+from kp_conformance import registry
+from kp_conformance.env import dtype_id
+
 ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")
 
 
@@ -110,34 +103,50 @@ def _run(root: Path, spec: str, label: str, args: list[str], tier: str, timeout:
     )
 
 
+def jobs(args, specs: dict) -> list[tuple[str, str, list[str]]]:
+    """(spec, label, pytest arguments) of each process: a spec's selections (one per dtype of its Spec, then the
+    rest), each split into --shards processes by test id when asked."""
+    out = []
+    for name in args.specs:
+        for label, expr in _selections([dtype_id(d) for d in specs[name].dtypes]):
+            selection = [registry.spec_file(name)] + (["-k", expr] if expr else [])
+            if args.shards == 1:
+                out.append((name, label, selection))
+                continue
+            ids = _ids(args.root, selection, dict(os.environ, KP_TIER=args.tier))
+            for n in args.only if args.only is not None else range(args.shards):
+                if ids[n :: args.shards]:
+                    out.append((name, f"{label}.{n}", ids[n :: args.shards]))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=Path.cwd())
-    ap.add_argument("--specs", nargs="+", default=list(SPECS), choices=list(SPECS))
+    ap.add_argument("--specs", nargs="+", help="spec names (default: every spec that covers kp kernels)")
     ap.add_argument("--tier", default="micro")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     ap.add_argument("--logs", type=Path, default=Path("memcheck-logs"))
     ap.add_argument("--shards", type=int, default=1, help="processes per spec and dtype")
     ap.add_argument("--only", type=int, nargs="+", help="run these shard numbers (0 .. shards-1)")
+    ap.add_argument("--list", action="store_true", help="print the processes (spec, selection, pytest arguments)")
     args = ap.parse_args(argv)
+    specs = registry.load_specs(args.root)
+    args.specs = args.specs or registry.kernel_specs(specs)
+    unknown = [name for name in args.specs if name not in specs]
+    if unknown:
+        ap.error(f"argument --specs: no such spec {unknown} (choose from {', '.join(sorted(specs))})")
+    if args.list:
+        for spec, label, selection in jobs(args, specs):
+            print(f"{spec} [{label}]: pytest {shlex.join(selection)}")
+        return 0
     if shutil.which("compute-sanitizer") is None:
         print("compute-sanitizer not on PATH (it ships with the CUDA toolkit, e.g. /usr/local/cuda/bin)")
         return 2
     args.logs.mkdir(parents=True, exist_ok=True)
-    jobs = []
-    for spec in args.specs:
-        for label, expr in _selections(SPECS[spec]):
-            selection = [f"conformance/specs/test_{spec}.py"] + (["-k", expr] if expr else [])
-            if args.shards == 1:
-                jobs.append((spec, label, selection))
-                continue
-            ids = _ids(args.root, selection, dict(os.environ, KP_TIER=args.tier))
-            for n in args.only if args.only is not None else range(args.shards):
-                if ids[n :: args.shards]:
-                    jobs.append((spec, f"{label}.{n}", ids[n :: args.shards]))
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(_run, args.root, *j, args.tier, args.timeout, args.logs) for j in jobs]
+        futures = [pool.submit(_run, args.root, *j, args.tier, args.timeout, args.logs) for j in jobs(args, specs)]
         results = [f.result() for f in futures]
     print(f"memcheck, tier {args.tier}:")
     print("| spec | tests | memcheck errors | exit | seconds |\n|---|---|---|---|---|")

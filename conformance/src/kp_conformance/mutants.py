@@ -32,19 +32,8 @@ import tokenize
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-TESTS = {
-    "kp-norms": ["conformance/specs/test_norm.py", "conformance/specs/test_glu.py"],
-    "kp-attention": ["conformance/specs/test_attention.py", "conformance/specs/test_decode.py"],
-    "kp-precision": [
-        "conformance/specs/test_quantize.py",
-        "conformance/specs/test_scaled_mm.py",
-        "conformance/specs/test_float8_linear.py",
-        "conformance/specs/test_mx.py",
-        "conformance/specs/test_fake_quantize.py",
-        "conformance/specs/test_linear_activation.py",
-    ],
-    "kp-sparsity": ["conformance/specs/test_sparsity.py"],
-}
+from kp_conformance import registry
+
 ARITH = {"+": ["-", "*"], "-": ["+"], "*": ["/"], "/": ["*"], "//": ["%"], "%": ["//"]}
 ARITH.update({f"{k}=": [f"{r}=" for r in v] for k, v in ARITH.items()})  # augmented: total += x
 COMPARE = {"<": ["<=", ">"], "<=": ["<"], ">": [">=", "<"], ">=": [">"], "==": ["!="], "!=": ["=="]}
@@ -382,9 +371,22 @@ def write_markdown(path: Path, package: str, section: str) -> None:
     path.write_text(text.rstrip() + "\n")
 
 
+def package_tests(root: Path) -> dict[str, list[str]]:
+    """package -> the spec files its mutants run, from the spec registry (kp_conformance.registry): the specs whose
+    `package` it is, and for kp-core, whose Triton helpers (kp_core.activation_kernels) run inside the other
+    packages' kernels, every spec that covers registered kernels. Packages under root/packages only."""
+    specs = registry.load_specs(root)
+    tests = {}
+    for name, spec in specs.items():
+        tests.setdefault(spec.package, []).append(registry.spec_file(name))
+    kernels = [registry.spec_file(name) for name in registry.kernel_specs(specs)]
+    tests["kp-core"] = list(dict.fromkeys(tests.get("kp-core", []) + kernels))
+    return {package: files for package, files in tests.items() if (root / "packages" / package / "src").is_dir()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kp_conformance.mutants", description=__doc__.splitlines()[0])
-    p.add_argument("--package", required=True, choices=sorted(TESTS))
+    p.add_argument("--package", required=True, help="a package under packages/ (its specs: the spec registry's)")
     p.add_argument("--root", type=Path, default=Path.cwd(), help="the repository (default: current directory)")
     p.add_argument("--tests", nargs="+", help="spec files to run, relative to the root (default: the package's)")
     p.add_argument("--tier", default=os.environ.get("KP_TIER", "micro"))
@@ -400,9 +402,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, help="the summary and every mutant's result")
     opts = p.parse_args(argv)
     root = opts.root.resolve()
-    opts.tests = opts.tests or TESTS[opts.package]
     if not (root / "packages" / opts.package / "src").is_dir():
         p.error(f"{root} is not the kp repository (no packages/{opts.package}/src): pass --root")
+    if not opts.tests:
+        tests = package_tests(root)
+        if opts.package not in tests:
+            p.error(f"argument --package: no spec covers {opts.package} (choose from {', '.join(sorted(tests))})")
+        opts.tests = tests[opts.package]
     mutants = find_mutants(root / "packages" / opts.package / "src")
     equivalent = load_equivalent(root / "conformance" / "mutants" / "equivalent.txt")
     if opts.list:

@@ -1,4 +1,5 @@
-"""The independent references, one per op, written from the maths in plain PyTorch (never calling kp).
+"""The independent references, one per op, written from the maths in plain PyTorch, independent of kp's code: the
+one name they take from kp is kp_core.cdiv, an integer ceiling division for scale shapes.
 
 Each op has a float64 ground truth (`*64`) and "PyTorch in the low precision" (`*_lowp`): the same computation as
 PyTorch (or the model family's own code) runs it in the input's dtype. The tolerance rule
@@ -11,6 +12,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from kp_core import cdiv
 
 # ---- norms and activations ----
 
@@ -162,8 +165,8 @@ def fp8_scale_shape(shape, block_m, block_k):
     if block_m == 0:
         return ()
     lead, k = tuple(shape[:-1]), shape[-1]
-    nk = 1 if block_k == 0 else -(-k // block_k)
-    return (*lead, nk) if block_m == 1 else (-(-math.prod(lead) // block_m), nk)
+    nk = 1 if block_k == 0 else cdiv(k, block_k)
+    return (*lead, nk) if block_m == 1 else (cdiv(math.prod(lead), block_m), nk)
 
 
 def quantize_fp8(x, fp8, granularity, block=None, given=None, power_of_2=False):

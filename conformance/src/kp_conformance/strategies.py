@@ -8,6 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 from kp_conformance.tiers import Tier
+from kp_core import cdiv
 
 # Block-size neighbours, primes and the widths real models use.
 AWKWARD_COLS = (
@@ -225,7 +226,7 @@ def kv_cache(batch, capacity, heads, head_dim, dtype, device, *, paged: bool, se
             randn(*shape, dtype=dtype, device=device, seed=seed + 1),
             None,
         )
-    per_seq = -(-capacity // page)
+    per_seq = cdiv(capacity, page)
     num_blocks = batch * per_seq + 3
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed + 2))
     table = order[: batch * per_seq].view(batch, per_seq).to(torch.int32).to(device)
