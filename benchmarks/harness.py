@@ -174,7 +174,7 @@ def header(title: str, meta: dict, note: str = "") -> list[str]:
 
 
 def render(header: list[str], meta: dict, rows: list[dict]) -> str:
-    """The results markdown: one table per timing method, then the CPU cost per call. Providers whose name
+    """The results markdown: one table per timing method, then the CPU cost per call where measured. Providers whose name
     contains "kp" (kp's own variants and composites) are not anchors in the kp / best anchor column."""
     names = list(dict.fromkeys(r["provider"] for r in rows))
     lines = list(header)
@@ -191,10 +191,12 @@ def render(header: list[str], meta: dict, rows: list[dict]) -> str:
             anchors = [r[f"gbps_{timing}"] for p, r in by.items() if "kp" not in p]
             ratio = f"{by['kp'][f'gbps_{timing}'] / max(anchors):.2f}x" if "kp" in by and anchors else "-"
             lines.append(f"| {m} x {n} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
-    lines += ["", "## CPU cost per call (8 x 4096 input, wall time per call in microseconds)", ""]
-    lines += ["| provider | fwd | fwd+bwd |", "|---|---|---|"]
-    for name, us in meta.get("cpu_overhead_us_8x4096", {}).items():
-        lines.append(f"| {name} | {us['fwd']:.0f} | {us['fwd+bwd']:.0f} |")
+    cpu_us = meta.get("cpu_overhead_us_8x4096")
+    if cpu_us:  # only the benchmarks that measure it (norms, GLU): no empty table for the others
+        lines += ["", "## CPU cost per call (8 x 4096 input, wall time per call in microseconds)", ""]
+        lines += ["| provider | fwd | fwd+bwd |", "|---|---|---|"]
+        for name, us in cpu_us.items():
+            lines.append(f"| {name} | {us['fwd']:.0f} | {us['fwd+bwd']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
