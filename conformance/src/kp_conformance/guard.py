@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import threading
 
 import torch
 
@@ -169,7 +170,7 @@ class Guard:
             global _READS
             _READS = (what, guarded, names)
             try:
-                go(tuple(new))
+                _run(go, tuple(new))
             except Exception as e:  # the interpreter wraps what a load check raised
                 if isinstance(e.__cause__, GuardError):
                     raise e.__cause__ from None
@@ -199,6 +200,29 @@ class Guard:
                         f"first changed element at flat index {int(where[0, 0])}"
                     )
         return out
+
+
+def _run(go, args) -> None:
+    """The launch; under Triton's interpreter, on a thread of its own (joined at once). CPython 3.11 keeps frames in
+    16 KiB chunks that it maps and unmaps as the call stack crosses a chunk's end; the interpreter makes millions of
+    small calls per launch, and at the depth of a spec (pytest, Hypothesis, autograd, this guard) they crossed one:
+    half of a run's CPU time went to the kernel mapping pages. A new thread starts with an empty stack."""
+    if not interpreting():
+        go(args)
+        return
+    failure = []
+
+    def body():
+        try:
+            go(args)
+        except BaseException as e:  # re-raised on the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=body, name="kp-interpreted-launch")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 def _capturing() -> bool:
