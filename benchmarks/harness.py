@@ -174,8 +174,8 @@ def header(title: str, meta: dict, note: str = "") -> list[str]:
 
 
 def render(header: list[str], meta: dict, rows: list[dict]) -> str:
-    """The results markdown: one table per timing method, then the CPU cost per call where measured. Providers whose name
-    contains "kp" (kp's own variants and composites) are not anchors in the kp / best anchor column."""
+    """The results markdown: one table per timing method, then the CPU cost per call where measured. Providers
+    whose name contains "kp" (kp's own variants and composites) are not anchors in the kp / best anchor column."""
     names = list(dict.fromkeys(r["provider"] for r in rows))
     lines = list(header)
     for timing, title in TIMING_TITLES.items():
