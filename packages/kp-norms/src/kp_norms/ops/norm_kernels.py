@@ -256,6 +256,15 @@ def _dz_and_n(
 
 
 @triton.jit
+def _rounded(x):
+    """x, as a value the compiler cannot contract into a later add. dx = dn - mean(dn) must subtract the same
+    rounded dn it summed; contracted, dn = dz * w entered one side as an exact product (an FMA) and the other
+    rounded, and a one-column row (n = 0, rstd = 1/sqrt(eps)) got 316 times dn's rounding error instead of 0.
+    x + 0.0 is not x for x = -0.0, so it is not folded away; a product under it rounds (into an FMA with 0)."""
+    return x + 0.0
+
+
+@triton.jit
 def _norm_bwd(
     DY,
     stride_dy,
@@ -322,9 +331,8 @@ def _norm_bwd(
         n, dz = _dz_and_n(
             x, dy, mean, rstd, w, b, cur_mask, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET, ROUND_N, ACT, ACC
         )
-        dn = dz
+        dn = _rounded(dz * w_eff) if HAS_W else _rounded(dz)
         if HAS_W:
-            dn = dz * w_eff
             if KAHAN:
                 dw, dw_c = _kahan(dw, dw_c, tl.sum(dz * n, axis=0))
             else:
@@ -424,8 +432,7 @@ def _norm_bwd_looped(
             n, dn = _dz_and_n(
                 x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET, ROUND_N, ACT, ACC
             )
-            if HAS_W:
-                dn = dn * (w + OFFSET if OFFSET != 0.0 else w)
+            dn = _rounded(dn * (w + OFFSET if OFFSET != 0.0 else w)) if HAS_W else _rounded(dn)
             acc_nn += dn * n
             acc_n += dn
         c1 = tl.sum(acc_nn, axis=0) / N
@@ -440,9 +447,8 @@ def _norm_bwd_looped(
             n, dz = _dz_and_n(
                 x, dy, mean, rstd, w, b, ok, X.dtype.element_ty, RMS, HAS_W, HAS_B, OFFSET, ROUND_N, ACT, ACC
             )
-            dn = dz
+            dn = _rounded(dz * (w + OFFSET if OFFSET != 0.0 else w)) if HAS_W else _rounded(dz)
             if HAS_W:
-                dn = dz * (w + OFFSET if OFFSET != 0.0 else w)
                 _accumulate(dw_row + cols, dw_comp + cols, dz * n, ok, KAHAN)
             if HAS_B:
                 _accumulate(db_row + cols, db_comp + cols, dz, ok, KAHAN)
