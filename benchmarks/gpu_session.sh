@@ -2,7 +2,8 @@
 # What a GPU run does on a machine with no package registry: install the carried wheels (nox, Liger-Kernel, ...;
 # fetched beforehand with `pip download` into .whl/), then run the steps on the machine's own torch/triton, with
 # the packages' sources on PYTHONPATH. Usage: bash benchmarks/gpu_session.sh STEP...; logs go to $OUT.
-# Steps: info, tests-PKG, conformance-TIER, spec-NAME (one spec file, KP_TIER or small), cpu, demo,
+# Steps: info, tests-PKG, conformance-TIER, conformance-TIER-a then conformance-TIER-b (the tier in two parts, one
+# report: put part a's report back in conformance/reports/ before part b), spec-NAME (one spec file, KP_TIER or small), cpu, demo,
 # tune-NAME, bench-NAME (WORKERS: pytest workers for tests-*, default 8). Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -13,6 +14,8 @@ fi
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 SRC=$(ls -d packages/*/src | tr '\n' :)conformance/src:benchmarks
 LIMIT=${STEP_TIMEOUT:-540}
+# conformance-TIER-a runs these specs, conformance-TIER-b the rest (about half the small tier's time each).
+PART_A="attention decode graphs guard mx registry sparsity tiers"
 touch /tmp/session_start
 status=0
 for step in "$@"; do
@@ -22,6 +25,14 @@ for step in "$@"; do
           python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" ;;
     tests-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
                "packages/kp-${step#tests-}/tests" ;;
+    conformance-*-a|conformance-*-b)  # a tier in two calls: part a's report comes back and travels to part b
+      tier=${step#conformance-}; part=${tier##*-}; tier=${tier%-*}
+      files=$(for f in conformance/specs/test_*.py; do n=$(basename "$f" .py); n=${n#test_}
+                case " $PART_A " in *" $n "*) [ "$part" = a ] && echo "$f";; *) [ "$part" = b ] && echo "$f";; esac
+              done)
+      if [ "$part" = a ]; then part_env=KP_CENSUS=defer; else part_env=KP_REPORT_RESUME=1; fi
+      env "$part_env" PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=$tier timeout "$LIMIT" python3 -m pytest -q \
+        -p no:cacheprovider --rootdir . --durations=25 -n "${WORKERS:-8}" $files ;;
     conformance-*) KP_TIER=${step#conformance-} timeout "$LIMIT" python3 -m nox --no-venv -s conformance -- -n 8 ;;
     spec-*) PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=${KP_TIER:-small} timeout "$LIMIT" python3 -m pytest -q \
               -p no:cacheprovider --rootdir . -n 8 "conformance/specs/test_${step#spec-}.py" ;;

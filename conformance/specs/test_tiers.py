@@ -1,9 +1,14 @@
 """The tiers' Hypothesis draws depend on the test alone: not on which modules a worker happened to import before
 it (kp_conformance.tiers turns off Hypothesis' constants taken from local modules), so a tier's examples, and the
-suite's run time, are the same in every run and every order."""
+suite's run time, are the same in every run and every order. A tier run in parts (KP_REPORT_RESUME, for a GPU
+sitting too short for it) reports what one run would."""
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
+import textwrap
 
 import pytest
 from hypothesis import given, settings
@@ -15,9 +20,10 @@ kc.declare(
         name="tiers",
         package="kp-conformance",
         ops=(),
-        reference="the same strategy's draws before and after a local module full of literals is imported",
+        reference="the same strategy's draws before and after a local module full of literals is imported; "
+        "the report of one run over the same files",
         dtypes=(),
-        properties=("reproducible_draws",),
+        properties=("reproducible_draws", "report_in_parts"),
     )
 )
 
@@ -45,3 +51,93 @@ def test_draws_do_not_depend_on_loaded_modules(tmp_path, monkeypatch):
     spec.loader.exec_module(module)
     monkeypatch.setitem(sys.modules, "kp_local_literals", module)  # taken out again after the test
     assert _draws() == before, "the tier's draws changed when a local module was imported"
+
+
+# A kernels module of two launchable kernels with a bool switch, and spec files that note launches of them.
+_FILES = {
+    "kp_fake_kernels.py": """
+        class _Jit:  # what the census takes for a Triton kernel: .fn and .arg_names
+            def __init__(self, fn):
+                self.fn, self.arg_names = fn, ["SWITCH"]
+
+        def _a(SWITCH):
+            pass
+
+        def _b(SWITCH):
+            pass
+
+        _a, _b = _Jit(_a), _Jit(_b)  # named as their functions, as @triton.jit leaves them
+    """,
+    "conftest.py": """
+        pytest_plugins = ["kp_conformance.plugin"]
+    """,
+    "test_first.py": """
+        import os
+        import pytest
+        import kp_fake_kernels as k
+        from kp_conformance import census
+
+        @pytest.mark.conformance(kernel="fake", prop="one")
+        def test_one():
+            census.note(k._a, {"SWITCH": True})
+            assert os.environ.get("KP_FAKE_FAIL") != "1"
+    """,
+    "test_second.py": """
+        import pytest
+        import torch
+        import kp_fake_kernels as k
+        from kp_conformance import census
+
+        @pytest.mark.conformance(kernel="fake", prop="two")
+        @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+        def test_two(dtype):
+            census.note(k._a, {"SWITCH": False})
+            census.note(k._b, {"SWITCH": dtype == torch.float16})
+    """,
+}
+
+
+def _run(tmp_path, reports, *files, **env):
+    own = ("KP_REPORT_RESUME", "KP_CENSUS", "PYTEST_XDIST_WORKER")  # this run's settings are not the part's
+    env = {**{k: v for k, v in os.environ.items() if k not in own}, "KP_REPORT_DIR": str(tmp_path / reports), **env}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *files]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    paths = list((tmp_path / reports).glob("*.json"))
+    return done, json.loads(paths[0].read_text()) if paths else None
+
+
+def _cells(report):
+    return sorted((c["kernel"], c["property"], c["dtype"], c["status"], c["tests"]) for c in report["cells"])
+
+
+@pytest.mark.conformance(kernel="tiers", prop="report_in_parts")
+def test_report_in_parts_is_one_runs_report(tmp_path, monkeypatch):
+    for name, text in _FILES.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    # What one run over both files reports (and does, run so): every cell passes, and so does the census.
+    whole = [
+        ("fake", "one", "-", "pass", 1),
+        ("fake", "two", "float16", "pass", 1),
+        ("fake", "two", "float32", "pass", 1),
+        ("kp_fake_kernels", "every_branch", "-", "pass", 1),
+    ]
+    done, part = _run(tmp_path, "parts", "test_first.py", KP_CENSUS="defer", KP_FAKE_FAIL="1")
+    assert done.returncode == 1 and ("fake", "one", "-", "fail", 1) in _cells(part)  # the planted failure
+    assert not any(c["property"] == "every_branch" for c in part["cells"])
+    # The first file again, now passing: its cell replaces the failed one. Alone it leaves _b unlaunched, which
+    # fails only once the census is no longer deferred.
+    done, part = _run(tmp_path, "parts", "test_first.py", KP_REPORT_RESUME="1", KP_CENSUS="defer")
+    assert done.returncode == 0 and ("fake", "one", "-", "pass", 1) in _cells(part), done.stdout + done.stderr
+    # The last part launches _a only with SWITCH False: the census passes over both parts' launches.
+    done, part = _run(tmp_path, "parts", "test_second.py", KP_REPORT_RESUME="1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _cells(part) == whole
+
+    # A report from another run (here: another torch) is refused, not mixed in.
+    from kp_conformance import plugin
+
+    path = tmp_path / "parts" / next((tmp_path / "parts").glob("*.json")).name
+    path.write_text(json.dumps({**json.loads(path.read_text()), "torch": "0.0"}))
+    monkeypatch.setenv("KP_REPORT_DIR", str(tmp_path / "parts"))
+    with pytest.raises(pytest.UsageError, match="is not an earlier part of this run"):
+        plugin._resume()

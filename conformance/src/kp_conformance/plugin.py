@@ -3,6 +3,11 @@
 A test opts in with `@pytest.mark.conformance(kernel=..., prop=...)`; its dtype comes from a `dtype`
 parameter when it has one. Outcomes map to cells: passed -> pass, failed -> fail, skipped -> not covered
 (with the skip's reason), a strict xfail (a known failure, kept as a test) -> fail. A skip is never a pass.
+
+A tier too long for one sitting runs in parts over whole spec files: KP_REPORT_RESUME=1 makes a run add to the
+report an earlier part left (same architecture, device, tier, torch and triton, else it refuses), a rerun test
+replacing its earlier cells; KP_CENSUS=defer leaves the branch census to a later part, which checks it over every
+part's launches.
 """
 
 from __future__ import annotations
@@ -19,11 +24,42 @@ from kp_conformance import census, env, tiers
 _STATUS = {"passed": "pass", "failed": "fail", "skipped": "not covered"}
 
 
-_CELLS: dict[tuple[str, str, str], list[dict]] = {}
+_TESTS: list[dict] = []  # one cell per test, as the tests report them
+
+
+_EARLIER: dict = {}  # the report a resumed run adds to: its test cells, whether it ran whole files
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "conformance(kernel, prop): a conformance matrix cell")
+    if os.environ.get("KP_REPORT_RESUME") == "1" and not hasattr(config, "workerinput"):
+        _resume()
+
+
+def _identity() -> dict:
+    return {"arch": env.arch(), "device": env.device_name(), "tier": tiers.current().name, **env.versions()}
+
+
+def _report_path(identity: dict) -> Path:
+    cwd = Path.cwd()
+    default = cwd / "conformance" / "reports" if (cwd / "conformance").is_dir() else cwd / "kp-reports"
+    return Path(os.environ.get("KP_REPORT_DIR", default)) / f"{identity['arch']}-{identity['tier']}.json"
+
+
+def _resume() -> None:
+    identity = _identity()
+    path = _report_path(identity)
+    if not path.exists():
+        return  # the first part
+    earlier = json.loads(path.read_text())
+    theirs = {k: earlier.get(k) for k in identity}
+    if theirs != identity or "tests" not in earlier:
+        raise pytest.UsageError(
+            f"KP_REPORT_RESUME=1: {path} is not an earlier part of this run (it has {theirs}, "
+            f"{'with' if 'tests' in earlier else 'without'} its test cells; this run is {identity})"
+        )
+    census.merge(earlier["census"])
+    _EARLIER.update(tests=earlier["tests"], whole_files=earlier["whole_files"])
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -61,8 +97,7 @@ def pytest_runtest_logreport(report):
     # Runs in the controller under xdist too, with the workers' user_properties.
     for key, value in getattr(report, "user_properties", ()):
         if key == "kp_cell":
-            cell = json.loads(value)
-            _CELLS.setdefault((cell["kernel"], cell["property"], cell["dtype"]), []).append(cell)
+            _TESTS.append(json.loads(value))
 
 
 def _merge(cells: list[dict]) -> dict:
@@ -87,10 +122,10 @@ def _whole_files(config) -> bool:
     return not config.option.keyword and not config.option.markexpr and not any("::" in str(a) for a in args)
 
 
-def _census_cells(session) -> list[dict]:
+def _census_cells(session, whole: bool) -> list[dict]:
     """One cell per touched kernels module: every launchable kernel launched, every bool switch both ways. Runs
     that select part of a file (-k, -m, node ids) get none: their gaps say nothing about the tier."""
-    if not _whole_files(session.config):
+    if not whole or os.environ.get("KP_CENSUS") == "defer":
         return []
     gaps = census.gaps()
     cells = []
@@ -118,26 +153,30 @@ def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes the report
         session.config.workeroutput["kp_census"] = json.dumps(census.data())
         return
-    cells = _CELLS
-    if not cells:
+    tests = list(_TESTS)
+    if not tests:
         return
-    default = (
-        Path.cwd() / "conformance" / "reports" if (Path.cwd() / "conformance").is_dir() else Path.cwd() / "kp-reports"
-    )
-    out_dir = Path(os.environ.get("KP_REPORT_DIR", default))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ran = {c["test"] for c in tests}
+    tests += [c for c in _EARLIER.get("tests", ()) if c["test"] not in ran]
+    whole = _whole_files(session.config) and _EARLIER.get("whole_files", True)
+    by_cell: dict[tuple[str, str, str], list[dict]] = {}
+    for c in tests:
+        by_cell.setdefault((c["kernel"], c["property"], c["dtype"]), []).append(c)
+    identity = _identity()
     report = {
-        "arch": env.arch(),
-        "device": env.device_name(),
-        "tier": tiers.current().name,
-        **env.versions(),
+        **identity,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cells": sorted(
-            [*(_merge(v) for v in cells.values()), *_census_cells(session)],
+            [*(_merge(v) for v in by_cell.values()), *_census_cells(session, whole)],
             key=lambda c: (c["kernel"], c["property"], c["dtype"]),
         ),
+        # what a later part (KP_REPORT_RESUME=1) needs to add to this report
+        "whole_files": whole,
+        "census": census.data(),
+        "tests": sorted(tests, key=lambda c: c["test"]),
     }
-    path = out_dir / f"{report['arch']}-{report['tier']}.json"
+    path = _report_path(identity)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     session.config._kp_report_path = path
 
