@@ -14,6 +14,7 @@ the current interpreter's packages and put packages/*/src on PYTHONPATH instead 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,8 @@ TEST_DEPS = ("pytest>=8", "pytest-xdist", "hypothesis>=6.100")
 HF_DEPS = ("transformers>=4.45",)  # kp-norms' "hf" extra (kp_norms.patch on Hugging Face models)
 # kp-distributed's tests also shard a model built from the kernel packages (its code imports none of them)
 TESTED_WITH = {"kp-distributed": ("kp-norms", "kp-attention", "kp-precision")}
+# The umbrella package `kp` depends on every other package.
+TESTED_WITH["kp"] = tuple(p for p in PACKAGES if p != "kp")
 
 nox.options.sessions = ["lint", "tests", "conformance", "build", "docs"]
 nox.options.reuse_existing_virtualenvs = True
@@ -82,7 +85,7 @@ def tests(session: nox.Session, package: str) -> None:
     _install_torch(session)
     if _installing(session):
         session.install(*TEST_DEPS)
-        if package in ("kp-norms", "kp-attention", "kp-distributed"):  # tiny transformers models
+        if package in ("kp-norms", "kp-attention", "kp-distributed", "kp"):  # tiny transformers models
             session.install(*HF_DEPS)
         if package in ("kp-norms", "kp-attention"):  # their patch tests' tolerance rule
             session.install("--no-deps", str(ROOT / "conformance"))
@@ -178,13 +181,22 @@ def build(session: nox.Session) -> None:
         shutil.rmtree(venv, ignore_errors=True)
         session.run("python", "-m", "venv", str(venv))
         py = str(venv / "bin" / "python")
-        deps = [str(wheels["kp-core"])] if name != "kp-core" else []
+        deps = [str(wheels[d]) for d in _local_dependencies(name)]
         session.run(py, "-m", "pip", "install", "-q", TORCH, *extra, *deps, str(wheels[name]), external=True)
         module = name.replace("-", "_")
         check = f"import {module}; print({module}.__name__, {module}.__version__, 'imports alone')"
         session.run(py, "-c", check, external=True)
         # Each clean venv holds its own torch and triton (about 2 GB): keep one at a time.
         shutil.rmtree(venv)
+
+
+def _local_dependencies(name: str) -> list[str]:
+    """The packages/ folders `name` depends on (by pyproject), deepest first: their wheels install from dist/."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())["project"]["dependencies"]
+    local = [d for d in (re.split(r"[<>=!~ \[]", d, maxsplit=1)[0] for d in deps) if d in PACKAGES]
+    return list(dict.fromkeys([*(x for d in local for x in _local_dependencies(d)), *local]))
 
 
 @nox.session(python="3.11")

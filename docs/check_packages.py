@@ -11,7 +11,7 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-ROW = re.compile(r"^\|\s*`(kp-[a-z]+)`\s*\|.*\|\s*([^|]+?)\s*\|\s*$")
+ROW = re.compile(r"^\|\s*`(kp(?:-[a-z]+)?)`\s*\|.*\|\s*([^|]+?)\s*\|\s*$")
 
 
 def main() -> int:

@@ -22,11 +22,12 @@ import resource
 import signal
 import time
 
-import kp_distributed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+import kp_distributed
 
 PERIOD = 32  # tokens in the repeated block of the synthetic data
 
@@ -162,8 +163,9 @@ def hand_sharded(model, mp, recipe):
     """The comparisons, written out by hand. plain: each block, then the root. torchtitan: its Llama recipe (as of
     2026): the embedding, each block, the final norm with the head (not resharded after the forward), the root; no
     explicit prefetch."""
-    from kp_distributed.shard import mp_policy
     from torch.distributed.fsdp import fully_shard
+
+    from kp_distributed.shard import mp_policy
 
     policy = mp_policy(mp)  # the same dtypes as kp's run
     if recipe == "torchtitan":

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# The float64 reference is itself rounded: its reductions (sums of up to ~1e8 terms, pairwise) are good to
-# a few dozen float64 ulps. Negligible beside fp32/fp16/bf16, it is what bounds a float64 kernel.
-REFERENCE_ULPS = 32
-
-
-def atol_for(dtype: torch.dtype, ref: torch.Tensor) -> float:
-    """One ulp of `dtype` at the output's scale (the final store's rounding) plus the reference's own error."""
-    scale = ref[torch.isfinite(ref)].abs().max().item() if ref.numel() and torch.isfinite(ref).any() else 0.0
-    return (torch.finfo(dtype).eps + REFERENCE_ULPS * torch.finfo(torch.float64).eps) * max(1.0, scale)
+from kp_core.tolerance import atol_for
 
 
 def check_close(what: str, ours: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, dtype: torch.dtype) -> None:

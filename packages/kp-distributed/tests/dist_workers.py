@@ -12,11 +12,12 @@ import time
 import traceback
 from pathlib import Path
 
-import kp_distributed
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+import kp_distributed
 
 TIMEOUT = datetime.timedelta(seconds=60)
 

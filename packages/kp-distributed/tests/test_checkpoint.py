@@ -4,10 +4,11 @@ every rank, and export writes the whole model for inference."""
 
 from pathlib import Path
 
-import kp_distributed
 import pytest
 import torch
 from dist_workers import full_params, make, spawn, train
+
+import kp_distributed
 
 
 def _run(rank, world, folder, steps, first, save, kw):

@@ -1,9 +1,10 @@
 """Gradient compression on DDP replicas (real processes), and the overlap account of profiler intervals."""
 
-import kp_distributed
 import pytest
 import torch
 from dist_workers import full_params, make, spawn, train
+
+import kp_distributed
 
 
 def _compressed(rank, world, kind):

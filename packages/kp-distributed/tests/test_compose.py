@@ -9,10 +9,11 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
-import kp_distributed
 import pytest
 import torch
 from dist_workers import batch, device, full_params, loss_of, spawn, train
+
+import kp_distributed
 
 TRAINER = Path(__file__).resolve().parents[3] / "examples" / "train_llama.py"
 kp_core = pytest.importorskip("kp_core")  # installed with the kernel packages, which this test needs

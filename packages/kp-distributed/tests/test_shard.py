@@ -1,11 +1,12 @@
 """shard() on real processes (gloo on CPU; NCCL where GPUs are): FSDP2 and HSDP train exactly as one process does
 on the whole batch, with every option, and bad arguments fail alike on every rank."""
 
-import kp_distributed
 import pytest
 import torch
 from dist_workers import batch, full_params, loss_of, make, spawn, train
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+import kp_distributed
 
 STEPS = 3
 

@@ -41,6 +41,7 @@ from kp_core.launches import (
 )
 from kp_core.library import KernelInfo, Op, op, registered_kernels
 from kp_core.scratch import workspace
+from kp_core.tolerance import atol_for, rule_bound
 from kp_core.tuning import pin, pinned, settings, unpin
 
 __version__ = "0.2.0"
@@ -52,18 +53,19 @@ __all__ = [
     "GELU_TANH_CUBIC",
     "INTERPRET",
     "INV_SQRT_2PI",
+    "KernelInfo",
     "LN2",
     "LOG2E",
+    "Launch",
+    "LaunchRecord",
     "MAX_FUSED_COLS",
+    "Op",
     "REFERENCE",
+    "RowConfig",
     "SQRT1_2",
     "SQRT_2_OVER_PI",
     "TRITON",
-    "KernelInfo",
-    "Launch",
-    "LaunchRecord",
-    "Op",
-    "RowConfig",
+    "atol_for",
     "cdiv",
     "check_index_fits",
     "check_same_device",
@@ -83,9 +85,10 @@ __all__ = [
     "pinned",
     "record_launches",
     "reference",
-    "set_guard",
     "registered_kernels",
     "row_config",
+    "rule_bound",
+    "set_guard",
     "settings",
     "sm_count",
     "unpin",

@@ -1,0 +1,28 @@
+"""kp: every kp package in one install, and `kp.optimize(model, example_inputs)`, which puts the fastest kernel
+that passes its check in each layer of the model, on this GPU, and never makes the step slower.
+
+    import kp
+    report = kp.optimize(model, (batch,))      # in place; kp.restore(model) undoes it
+    kp.check(model, (batch,))                  # the checks alone
+"""
+
+from kp.cache import path as cache_path
+from kp.decisions import check, optimize, restore
+from kp.env import describe, environment
+from kp.measure import default_timer
+from kp.report import Layer, Report, Tried
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Layer",
+    "Report",
+    "Tried",
+    "cache_path",
+    "check",
+    "default_timer",
+    "describe",
+    "environment",
+    "optimize",
+    "restore",
+]

@@ -1,0 +1,91 @@
+"""What kp can put in place of a module, per kind of module: each candidate builds a replacement that shares the
+original's parameters (optimisers, state_dict and tied weights see the same tensors)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+from torch import nn
+
+import kp_norms
+import kp_precision
+import kp_sparsity
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    name: str  # in the report; allow / deny match it
+    family: str  # "norms", "glu", "float8", "sparsity"; allow / deny match it too
+    build: Callable[[nn.Module], nn.Module]
+    lossy: bool = False  # changes the layer's function beyond rounding: checked against the loss budget instead
+    modes: tuple[str, ...] = ("train", "infer")
+
+
+class _Holder(nn.Module):
+    """A parent for one module, so that the packages' in-place swaps replace it here and not in the model."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.m = module
+
+
+def _kp_norms(module: nn.Module, **flags) -> nn.Module | None:
+    holder = _Holder(module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an MLP with an unknown activation is simply not a site
+        flags = {"rms_norm": False, "layer_norm": False, "swiglu": False, **flags}
+        changed = kp_norms.patch(holder, module_filter_fn=lambda _, name: name == "m", **flags)  # not its children
+    return holder.m if changed else None
+
+
+def _float8_training(recipe: str) -> Candidate:
+    config = kp_precision.Float8Config(recipe=recipe)
+    return Candidate(
+        f"float8 {recipe}",
+        "float8",
+        lambda m: kp_precision.Float8Linear.from_linear(m, config=config),
+        lossy=True,
+        modes=("train",),
+    )
+
+
+def _float8_inference(recipe: str) -> Candidate:
+    return Candidate(
+        f"float8 {recipe} (inference)",
+        "float8",
+        lambda m: kp_precision.Float8InferenceLinear.from_linear(m, recipe=recipe),
+        lossy=True,
+        modes=("infer",),
+    )
+
+
+_NORM_KINDS = {"rms_norm": {"rms_norm": True}, "layer_norm": {"layer_norm": True}, "gated_mlp": {"swiglu": True}}
+_NORM_NAMES = {"rms_norm": "kp_norms.RMSNorm", "layer_norm": "kp_norms.LayerNorm", "gated_mlp": "kp_norms.GatedMLP"}
+LINEAR = (
+    _float8_training("tensorwise"),
+    _float8_training("rowwise"),
+    _float8_inference("tensorwise"),
+    _float8_inference("rowwise"),
+    Candidate("2:4 sparse", "sparsity", kp_sparsity.SparseLinear.from_dense, lossy=True, modes=("infer",)),
+)
+
+
+def kind_of(module: nn.Module) -> str | None:
+    """The site kind of `module`, or None when kp has nothing for it. Classes are matched exactly, as the
+    packages' own patching does: a subclass may compute something else."""
+    if type(module) is nn.Linear:
+        return "linear"
+    for kind, flags in _NORM_KINDS.items():
+        if _kp_norms(module, **flags) is not None:
+            return kind
+    return None
+
+
+def candidates(kind: str, mode: str) -> list[Candidate]:
+    if kind == "linear":
+        return [c for c in LINEAR if mode in c.modes]
+    flags = _NORM_KINDS[kind]
+    family = "glu" if kind == "gated_mlp" else "norms"
+    return [Candidate(_NORM_NAMES[kind], family, lambda m: _kp_norms(m, **flags))]

@@ -1,0 +1,279 @@
+"""kp.optimize and kp.check: per layer of the user's model, each applicable kp candidate is checked against a
+float64 copy of that layer (the user's weights, the layer's own inputs from the example batch) and timed against
+PyTorch's own; the fastest checked one replaces the layer when it is faster by `min_speedup`. Then the whole step
+is timed with and without the replacements, and replacements are undone, least useful first, until the step is not
+slower than PyTorch's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from fnmatch import fnmatch
+
+import torch
+from torch import nn
+
+from kp import cache as disk
+from kp.candidates import Candidate, candidates, kind_of
+from kp.env import environment
+from kp.measure import Inputs, Timer, default_timer, floats, step, trainable, upstream
+from kp.measure import check as check_layer
+from kp.report import Layer, Report, Tried
+from kp.sites import Site, capture
+
+MODES = ("train", "infer")
+_UNDO = "_kp_optimize_undo"  # on the model: (parent, child name, previous module), in the order they were set
+
+
+def _arguments(fn: str, model, example_inputs, mode, allow, deny, loss_budget, rows) -> tuple:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"kp.{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError(
+            f"kp.{fn}: example_inputs must be a tensor or a tuple of the model's positional arguments, "
+            f"got {type(example_inputs).__name__}"
+        )
+    if mode not in MODES:
+        raise ValueError(f"kp.{fn}: mode must be 'train' or 'infer', got {mode!r}")
+    for name, value in (("allow", allow), ("deny", deny)):
+        if value is not None and (isinstance(value, str) or not all(isinstance(v, str) for v in value)):
+            raise TypeError(
+                f"kp.{fn}: {name} must be a list of name patterns (candidates, families or layers), got {value!r}"
+            )
+    if not isinstance(loss_budget, (int, float)) or isinstance(loss_budget, bool) or not loss_budget > 0:
+        raise ValueError(f"kp.{fn}: loss_budget must be a number > 0 (a relative error), got {loss_budget!r}")
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise ValueError(f"kp.{fn}: check_rows must be an int >= 1, got {rows!r}")
+    return tuple(example_inputs)
+
+
+def _allowed(site: Site, c: Candidate, allow: Iterable[str] | None, deny: Iterable[str] | None) -> bool:
+    names = (c.name, c.family, site.name)
+    if deny and any(fnmatch(n, p) for p in deny for n in names):
+        return False
+    return allow is None or any(fnmatch(n, p) for p in allow for n in names)
+
+
+def _sites(model: nn.Module, example_inputs: tuple) -> list[Site]:
+    kinds = {}
+    for name, module in model.named_modules():
+        kind = kind_of(module) if name else None
+        if kind is not None:
+            kinds[name] = kind
+    return capture(model, example_inputs, kinds)
+
+
+def _short(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def _timed(site: Site, module: nn.Module, mode: str, label: str, timer: Timer) -> tuple[float, float | None]:
+    inputs = Inputs.of(site, mode)
+    grads = None
+    if mode == "train":
+        with torch.no_grad():
+            grads = upstream(floats(site.module(*inputs.args, **inputs.kwargs)))
+    run = step(module, inputs, mode, trainable(site.module), grads)
+    ms = timer(site.name, label, run)
+    peak = None
+    if torch.cuda.is_available() and any(t.is_cuda for t in inputs.grad_of + floats(inputs.args)):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return ms, peak
+
+
+def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[Layer, dict, dict]:
+    """Check and time every candidate on one layer. Returns the report's row, the modules that passed their
+    check, and the times (from `times` where cached; None as timer: check only)."""
+    times = dict(times)
+    torch_ms = None
+    if timer is not None:
+        torch_ms = times.get("torch") or _timed(site, site.module, mode, "torch", timer)[0]
+        times["torch"] = torch_ms
+    tried, passed = [], {}
+    for c in cands:
+        try:
+            new = c.build(site.module)
+            verdict = check_layer(site, new, mode, c.lossy, budget, rows)
+        except Exception as e:  # a candidate that cannot serve this layer here (shape, dtype, device)
+            tried.append(Tried(c.name, "not applicable", note=_short(e)))
+            continue
+        if not verdict.ok:
+            tried.append(Tried(c.name, "refused", error=verdict.detail))
+            continue
+        ms = peak = None
+        if timer is not None:
+            ms = times.get(c.name)
+            if ms is None:
+                ms, peak = _timed(site, new, mode, c.name, timer)
+            times[c.name] = ms
+        tried.append(Tried(c.name, "checked" if timer is None else "slower", ms, peak, verdict.detail))
+        passed[c.name] = new
+    choice, why = "torch", "no candidate passed its check" if not passed else "checked only (kp.check)"
+    timed = [t for t in tried if t.name in passed and t.ms is not None]
+    if timed:
+        best = min(timed, key=lambda t: t.ms)
+        speedup = torch_ms / best.ms
+        if speedup >= min_speedup:
+            best.status, choice, why = "chosen", best.name, f"{best.name} {speedup:.2f}x torch"
+        else:
+            why = f"fastest checked: {best.name} {speedup:.2f}x, below {min_speedup:.2f}x: kept torch"
+    return Layer(site.name, site.kind, torch_ms, tried, choice, why), passed, times
+
+
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module, undo: list) -> None:
+    """Put `new` wherever `old` is in the model (every name a shared module has)."""
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if module is old and name:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            undo.append((parent, child, parent._modules[child]))
+            parent._modules[child] = new
+
+
+def restore(model: nn.Module) -> list[str]:
+    """Undo what kp.optimize changed in `model`; returns the layers put back (the same module objects)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"kp.restore: model must be a torch.nn.Module, got {type(model).__name__}")
+    undo = model.__dict__.pop(_UNDO, [])
+    for parent, child, previous in reversed(undo):
+        parent._modules[child] = previous
+    return [child for _, child, _ in undo]
+
+
+def _apply(model: nn.Module, chosen: list[tuple[Site, nn.Module]]) -> None:
+    restore(model)
+    undo: list = []
+    for site, new in sorted(chosen, key=lambda sn: sn[0].name.count(".")):  # outer layers first: inner ones
+        _replace(model, site.module, new, undo)  # then land in the new outer module, which holds them
+    object.__setattr__(model, _UNDO, undo)  # a plain attribute: not a child, not in state_dict
+
+
+def _whole_step(model: nn.Module, example_inputs: tuple, mode: str):
+    params = trainable(model)
+
+    def run():
+        if mode == "infer":
+            with torch.no_grad():
+                return model(*example_inputs)
+        loss = sum(t.float().sum() for t in floats(model(*example_inputs)))
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    return run
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs,
+    *,
+    mode: str = "train",
+    allow: Iterable[str] | None = None,
+    deny: Iterable[str] | None = None,
+    cache: bool = True,
+    report: bool = True,
+    loss_budget: float = 0.1,
+    min_speedup: float = 1.03,
+    timer: Timer | None = None,
+    check_rows: int = 1024,
+) -> Report:
+    """Make `model` faster in place with kp's kernels where they are faster on this GPU and correct on this model;
+    return what was done and why (kp.restore(model) undoes it).
+
+    example_inputs: the model's positional arguments for a representative batch (its shapes are what is timed).
+    mode "train": forward and backward are timed and checked (gradients too); "infer": forward only.
+    allow / deny: fnmatch patterns over candidate names ("float8 rowwise"), families ("norms", "glu", "float8",
+    "sparsity") and layer names ("model.layers.0.*"); deny wins. loss_budget: the relative error (L2, against
+    float64) that a candidate changing the layer's function (float8, 2:4) may have in each output and gradient;
+    lossless candidates must meet kp's conformance rule instead. min_speedup: how much faster a candidate must be
+    to replace PyTorch's layer. timer(layer, candidate, fn) -> ms replaces the built-in timing (CUDA events).
+    check_rows: rows of each layer's input used for the float64 check. cache: reuse the times measured for the
+    same layers, versions and GPU (file: kp.cache.path()); checks always run."""
+    start = time.perf_counter()
+    example_inputs = _arguments("optimize", model, example_inputs, mode, allow, deny, loss_budget, check_rows)
+    if not isinstance(min_speedup, (int, float)) or min_speedup < 1:
+        raise ValueError(f"kp.optimize: min_speedup must be a number >= 1, got {min_speedup!r}")
+    if timer is not None and not callable(timer):
+        raise TypeError(f"kp.optimize: timer must be callable(layer, candidate, fn) -> ms, got {timer!r}")
+    timer = timer or default_timer
+    restore(model)
+    env = environment()
+    result = Report(mode, env)
+    cached = disk.load() if cache else {}
+    fresh, chosen, gains = {}, [], {}
+    for site in _sites(model, example_inputs):
+        cands = [c for c in candidates(site.kind, mode) if _allowed(site, c, allow, deny)]
+        if not cands:
+            continue
+        key = disk.key(env, mode, site.signature(), [c.name for c in cands])
+        layer, passed, times = _layer(
+            site, cands, mode, timer, cached.get(key, {}), loss_budget, min_speedup, check_rows
+        )
+        layer.cached = key in cached
+        fresh[key] = times
+        result.layers.append(layer)
+        if layer.choice != "torch":
+            chosen.append((site, passed[layer.choice]))
+            gains[site.name] = layer.torch_ms - min(t.ms for t in layer.tried if t.name == layer.choice)
+    if cache and fresh:
+        disk.store(fresh)
+    if chosen:
+        _never_slower(model, example_inputs, mode, timer, chosen, gains, result)
+    result.seconds = time.perf_counter() - start
+    if report:
+        print(result.text())
+    return result
+
+
+def _never_slower(model, example_inputs, mode, timer, chosen, gains, result: Report) -> None:
+    """Time the whole step with PyTorch's layers and with kp's; undo the least useful replacement until kp's step
+    is not slower."""
+    run = _whole_step(model, example_inputs, mode)
+    torch_ms = timer("(whole step)", "torch", run)
+    _apply(model, chosen)
+    kp_ms = timer("(whole step)", "kp", run)
+    reverted = []
+    while chosen and kp_ms > torch_ms:
+        site, _ = min(chosen, key=lambda sn: gains[sn[0].name])
+        chosen = [(s, m) for s, m in chosen if s is not site]
+        reverted.append(site.name)
+        _apply(model, chosen)
+        kp_ms = timer("(whole step)", f"kp without {', '.join(reverted)}", run)
+    result.step = {"torch_ms": torch_ms, "kp_ms": kp_ms, "reverted": reverted}
+    for layer in result.layers:
+        if layer.name in reverted:
+            for t in layer.tried:
+                if t.name == layer.choice:
+                    t.status = "reverted"
+            layer.why = f"{layer.why}; reverted: the whole step was slower with it"
+            layer.choice = "torch"
+
+
+def check(
+    model: nn.Module,
+    example_inputs,
+    *,
+    mode: str = "train",
+    allow: Iterable[str] | None = None,
+    deny: Iterable[str] | None = None,
+    loss_budget: float = 0.1,
+    check_rows: int = 1024,
+    report: bool = True,
+) -> Report:
+    """kp.optimize's checks alone: every candidate on every layer against float64, nothing timed, the model left
+    as it is. A candidate's row says "checked" (it passes), "refused" (with its error) or "not applicable"."""
+    start = time.perf_counter()
+    example_inputs = _arguments("check", model, example_inputs, mode, allow, deny, loss_budget, check_rows)
+    result = Report(mode, environment(), action="check")
+    for site in _sites(model, example_inputs):
+        cands = [c for c in candidates(site.kind, mode) if _allowed(site, c, allow, deny)]
+        if cands:
+            result.layers.append(_layer(site, cands, mode, None, {}, loss_budget, 1.0, check_rows)[0])
+    result.seconds = time.perf_counter() - start
+    if report:
+        print(result.text())
+    return result

@@ -1,0 +1,151 @@
+"""Running one layer the way a step does, timing it, and checking it against a float64 copy of the original."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+import kp_core
+from kp.sites import Site
+
+# timer(site name, candidate name, fn) -> milliseconds per call of fn. kp.optimize's `timer=` replaces the default
+# (below) with any callable of this shape: a profiler's, or fixed numbers in a test.
+Timer = Callable[[str, str, Callable[[], object]], float]
+
+
+def default_timer(site: str, candidate: str, fn: Callable[[], object]) -> float:
+    """Median of timed calls after warm-up: CUDA events on a GPU (about 25 ms of calls, 3 to 100 of them); wall
+    time elsewhere, where the kernels run interpreted and the figure only orders candidates of one run."""
+    fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = int(min(100, max(3, 25.0 / max(start.elapsed_time(end), 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in events:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
+
+
+def floats(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+@dataclasses.dataclass
+class Inputs:
+    """A site's arguments for one kind of run: the first floating tensor argument (the activation) requires grad
+    in training, as it does inside the model; `rows` keeps that many leading rows (the layers kp serves
+    treat rows independently), for a cheaper float64 check."""
+
+    args: tuple
+    kwargs: dict
+    grad_of: list[torch.Tensor]  # the activation, when training
+
+    @classmethod
+    def of(cls, site: Site, mode: str, dtype: torch.dtype | None = None, rows: int | None = None) -> Inputs:
+        def prepare(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if rows is not None and t.dim() >= 2:
+                t = t.reshape(-1, t.shape[-1])[:rows]
+            return t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
+
+        args, kwargs = tree_map(prepare, site.args), tree_map(prepare, site.kwargs)
+        first = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        grad_of = []
+        if mode == "train" and first is not None:
+            args = (*args[:first], args[first].requires_grad_(), *args[first + 1 :])
+            grad_of.append(args[first])
+        return cls(args, kwargs, grad_of)
+
+
+def step(module: nn.Module, inputs: Inputs, mode: str, params: list, grads: list | None = None) -> Callable:
+    """The layer's share of a step: forward, and in training the gradients of its input and parameters for the
+    upstream gradients `grads` (None: `upstream`'s, made per call). torch.autograd.grad leaves .grad alone."""
+    wrt = [*inputs.grad_of, *params]
+
+    def run():
+        if mode == "infer":
+            with torch.no_grad():
+                return floats(module(*inputs.args, **inputs.kwargs)), []
+        outs = floats(module(*inputs.args, **inputs.kwargs))
+        return outs, list(torch.autograd.grad(outs, wrt, grads or upstream(outs), allow_unused=True))
+
+    return run
+
+
+def upstream(outs: list[torch.Tensor], seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.device, o.dtype) for o in outs]
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+@dataclasses.dataclass
+class Check:
+    ok: bool
+    worst: float  # lossless: max error / the rule's bound; lossy: relative error / budget (ok when <= 1)
+    detail: str
+
+
+def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
+    ref_norm = ref.norm().item()
+    return (a.to(torch.float64) - ref).norm().item() / ref_norm if ref_norm else float(a.abs().max().item() > 0)
+
+
+def check(site: Site, candidate: nn.Module, mode: str, lossy: bool, budget: float, rows: int) -> Check:
+    """The candidate against a float64 copy of the original layer, on the site's own inputs (their first `rows`
+    rows) and the layer's own weights: outputs and, in training, the input's and every parameter's gradient.
+    Lossless candidates obey the rule (at most twice PyTorch's own error in the model's precision, plus an
+    ulp); lossy ones (float8, 2:4) a relative error of at most `budget` in each of them."""
+    ref_module = copy.deepcopy(site.module).to(torch.float64)
+    refs = step(ref_module, Inputs.of(site, mode, torch.float64, rows), mode, trainable(ref_module))()
+    low = step(site.module, Inputs.of(site, mode, None, rows), mode, trainable(site.module))()
+    ours = step(candidate, Inputs.of(site, mode, None, rows), mode, trainable(site.module))()
+    names = [f"output {i}" for i in range(len(refs[0]))]
+    if mode == "train":
+        names += ["grad input"] * (len(refs[1]) - len(trainable(ref_module)))
+        names += [f"grad {n}" for n, p in site.module.named_parameters() if p.requires_grad]
+    worst, detail, ok = 0.0, "", True
+    for name, ref, lowp, mine in zip(names, [*refs[0], *refs[1]], [*low[0], *low[1]], [*ours[0], *ours[1]]):
+        if ref is None:
+            continue
+        if mine is None or mine.shape != ref.shape:
+            got = "none" if mine is None else f"shape {tuple(mine.shape)}"
+            return Check(False, float("inf"), f"{name}: {got}, the original's is {tuple(ref.shape)}")
+        if lossy:
+            rel, rel_torch = _relative(mine, ref), _relative(lowp, ref)
+            ratio = rel / budget
+            line = f"{name}: relative error {rel:.2e} (torch {rel_torch:.2e}, budget {budget:.0e})"
+        else:
+            err, bound = kp_core.rule_bound(mine, ref, lowp, lowp.dtype)
+            ratio = err / bound if bound else (0.0 if err == 0 else float("inf"))
+            line = f"{name}: error {err:.2e}, bound {bound:.2e} (2x torch's + 1 ulp)"
+        if ratio > worst or not detail:
+            worst, detail = ratio, line
+        ok = ok and ratio <= 1.0
+    return Check(ok, worst, detail)

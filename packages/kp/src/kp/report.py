@@ -1,0 +1,104 @@
+"""What kp.optimize and kp.check found, per layer: a terminal table, JSON and markdown."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class Tried:
+    """One candidate on one layer."""
+
+    name: str
+    status: str  # "chosen", "slower", "refused", "not applicable", "reverted", "checked"
+    ms: float | None = None
+    peak_mib: float | None = None
+    error: str = ""  # the check's worst line (error against float64, bound or budget)
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Layer:
+    name: str
+    kind: str
+    torch_ms: float | None
+    tried: list[Tried]
+    choice: str  # a candidate's name, or "torch"
+    why: str
+    cached: bool = False
+
+
+@dataclasses.dataclass
+class Report:
+    mode: str
+    environment: dict
+    action: str = "optimize"  # or "check": nothing timed, nothing changed
+    layers: list[Layer] = dataclasses.field(default_factory=list)
+    step: dict = dataclasses.field(default_factory=dict)  # the whole step's times: torch, kp, reverted layers
+    seconds: float = 0.0  # optimize's own time
+
+    @property
+    def chosen(self) -> dict[str, str]:
+        return {layer.name: layer.choice for layer in self.layers if layer.choice != "torch"}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def rows(self) -> list[list[str]]:
+        rows = []
+        for layer in self.layers:
+            for t in layer.tried:
+                speed = f"{layer.torch_ms / t.ms:.2f}x" if t.ms and layer.torch_ms else "-"
+                ms = f"{t.ms:.3f}" if t.ms is not None else "-"
+                rows.append([layer.name, t.name, t.status, ms, speed, t.error or t.note])
+            torch_ms = f"{layer.torch_ms:.3f}" if layer.torch_ms is not None else "-"
+            rows.append([layer.name, "torch", "kept" if layer.choice == "torch" else "", torch_ms, "1.00x", layer.why])
+        return rows
+
+    def text(self) -> str:
+        head = ["layer", "candidate", "status", "ms", "vs torch", "check / why"]
+        rows = [head, *self.rows()]
+        widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(head) - 1)]
+        lines = [
+            f"kp.{self.action} ({self.mode}) on {self.environment.get('device', '?')}: {len(self.layers)} layers, "
+            f"{len(self.chosen)} changed, {self.seconds:.1f} s"
+        ]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        if self.step:
+            lines.append(_step_line(self.step))
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        head = ["layer", "candidate", "status", "ms", "vs torch", "check / why"]
+        lines = [
+            f"# kp.{self.action} ({self.mode})",
+            "",
+            f"{self.environment}",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
+        lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in self.rows()]
+        if self.step:
+            lines += ["", _step_line(self.step)]
+        return "\n".join(lines) + "\n"
+
+    def save(self, prefix: str | Path) -> None:
+        """prefix.json and prefix.md."""
+        prefix = Path(prefix)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        prefix.with_suffix(".json").write_text(self.to_json() + "\n")
+        prefix.with_suffix(".md").write_text(self.markdown())
+
+
+def _step_line(step: dict) -> str:
+    line = f"whole step: torch {step['torch_ms']:.3f} ms, kp {step['kp_ms']:.3f} ms"
+    if step.get("reverted"):
+        line += f"; reverted to keep it from being slower: {', '.join(step['reverted'])}"
+    return line

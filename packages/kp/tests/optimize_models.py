@@ -1,0 +1,37 @@
+"""Small models for kp.optimize's tests: a pre-norm residual block of torch.nn layers kp has candidates for."""
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 64, hidden: int = 128, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        f = {"dtype": dtype, "device": device}
+        self.norm = nn.RMSNorm(dim, **f)
+        self.up = nn.Linear(dim, hidden, **f)
+        self.down = nn.Linear(hidden, dim, **f)
+        self.out_norm = nn.LayerNorm(dim, **f)
+
+    def forward(self, x):
+        return self.out_norm(x + self.down(torch.relu(self.up(self.norm(x)))))
+
+
+def block(device: str, seed: int = 0, dtype=torch.float32) -> tuple[Block, torch.Tensor]:
+    torch.manual_seed(seed)
+    return Block(dtype=dtype, device=device), torch.randn(2, 8, 64, device=device, dtype=dtype)
+
+
+class FixedTimer:
+    """kp.optimize's timer hook with set numbers: ms per (layer, candidate), "*" for any layer; the whole step
+    "(whole step)" by label. Every timed fn still runs once (it must work)."""
+
+    def __init__(self, layers: dict, step: dict | None = None):
+        self.layers, self.step, self.calls = layers, step or {}, []
+
+    def __call__(self, layer, candidate, fn):
+        fn()
+        self.calls.append((layer, candidate))
+        if layer == "(whole step)":
+            return self.step.get(candidate, self.step.get("kp", 1.0))
+        return self.layers.get((layer, candidate), self.layers.get(("*", candidate), 1.0))

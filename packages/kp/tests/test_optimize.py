@@ -1,0 +1,204 @@
+"""kp.optimize's decisions with timings set through its timer hook, on real kernels (the interpreter on a CPU):
+the choice, the checks against float64, the cache, the never-slower revert, and argument errors."""
+
+import json
+
+import pytest
+import torch
+from optimize_models import FixedTimer, block
+from torch import nn
+
+import kp
+import kp_norms
+import kp_precision
+from kp import cache, candidates, decisions
+from kp.candidates import Candidate
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NO_FLOAT8 = ["float8"]  # the float8 casts are slow to interpret: only the tests about float8 run them
+
+
+def test_chooses_the_fastest_checked_candidate_when_it_beats_torch_by_min_speedup():
+    model, x = block(DEVICE)
+    timer = FixedTimer(
+        {("*", "torch"): 1.0, ("norm", "kp_norms.RMSNorm"): 0.5, ("out_norm", "kp_norms.LayerNorm"): 0.99}
+    )
+    report = kp.optimize(model, (x,), deny=NO_FLOAT8, timer=timer, report=False)
+    assert report.chosen == {"norm": "kp_norms.RMSNorm"}
+    assert isinstance(model.norm, kp_norms.RMSNorm) and type(model.out_norm) is nn.LayerNorm
+    out_norm = next(layer for layer in report.layers if layer.name == "out_norm")
+    assert out_norm.choice == "torch" and "1.01x, below 1.03x" in out_norm.why
+    assert {layer.name for layer in report.layers} == {"norm", "out_norm"}  # Linears: float8 only, denied
+    assert "norm" in report.text() and json.loads(report.to_json())["mode"] == "train"
+
+
+def test_parameters_are_shared_and_restore_puts_back_the_same_objects():
+    model, x = block(DEVICE)
+    before = {n: p for n, p in model.named_parameters()}
+    original = model.norm
+    kp.optimize(
+        model,
+        (x,),
+        deny=NO_FLOAT8,
+        timer=FixedTimer({("*", "torch"): 1.0, ("*", "kp_norms.RMSNorm"): 0.1}),
+        report=False,
+    )
+    assert model.norm is not original
+    assert {n: p for n, p in model.named_parameters()} == before  # same names, same Parameter objects
+    assert kp.restore(model) == ["norm"] and model.norm is original and kp.restore(model) == []
+
+
+class _WrongGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class _PlantedNorm(nn.Module):
+    """kp's RMSNorm with its input gradient scaled by `scale`: 1 + 1e-4 is a bug no value check would see."""
+
+    def __init__(self, module, scale):
+        super().__init__()
+        self.inner, self.scale = candidates.candidates("rms_norm", "train")[0].build(module), scale
+
+    def forward(self, x):
+        return self.inner(_WrongGrad.apply(x, self.scale))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.0 + 1e-4])
+def test_check_refuses_a_candidate_with_slightly_wrong_gradients(monkeypatch, scale):
+    planted = Candidate("planted", "norms", lambda m: _PlantedNorm(m, scale))
+    real = candidates.candidates
+    monkeypatch.setattr(
+        decisions, "candidates", lambda kind, mode: [planted] if kind == "rms_norm" else real(kind, mode)
+    )
+    model, x = block(DEVICE)
+    report = kp.check(model, (x,), deny=NO_FLOAT8, report=False)
+    tried = next(layer for layer in report.layers if layer.name == "norm").tried
+    assert [t.name for t in tried] == ["planted"]
+    if scale == 1.0:
+        assert tried[0].status == "checked", tried[0]
+    else:
+        assert tried[0].status == "refused" and tried[0].error.startswith("grad input"), tried[0]
+
+
+def test_cache_skips_the_timing_until_a_version_changes(monkeypatch):
+    fast = {("*", "torch"): 1.0, ("*", "kp_norms.RMSNorm"): 0.5, ("*", "kp_norms.LayerNorm"): 0.5}
+    model, x = block(DEVICE)
+    first = FixedTimer(fast)
+    kp.optimize(model, (x,), deny=NO_FLOAT8, timer=first, report=False)
+    assert ("norm", "torch") in first.calls and cache.path().is_file()
+
+    second = FixedTimer({})  # 1.0 for everything: were the layers timed again, nothing would be chosen
+    report = kp.optimize(model, (x,), deny=NO_FLOAT8, timer=second, report=False)
+    assert [c for c in second.calls if c[0] != "(whole step)"] == []
+    assert report.chosen == {"norm": "kp_norms.RMSNorm", "out_norm": "kp_norms.LayerNorm"}
+    assert all(layer.cached for layer in report.layers)
+
+    env = decisions.environment()
+    monkeypatch.setattr(decisions, "environment", lambda: {**env, "triton": "0.0.1"})
+    third = FixedTimer({})
+    report = kp.optimize(model, (x,), deny=NO_FLOAT8, timer=third, report=False)
+    assert ("norm", "torch") in third.calls and report.chosen == {}
+    assert not any(layer.cached for layer in report.layers)
+
+
+def test_never_slower_undoes_the_least_useful_choice_first():
+    model, x = block(DEVICE)
+    layers = {("*", "torch"): 1.0, ("norm", "kp_norms.RMSNorm"): 0.5, ("out_norm", "kp_norms.LayerNorm"): 0.9}
+    # kp's whole step is slower with both layers, slower still without out_norm's, faster with norm's alone
+    step = {"torch": 2.0, "kp": 2.2, "kp without out_norm": 1.9}
+    report = kp.optimize(model, (x,), deny=NO_FLOAT8, timer=FixedTimer(layers, step), report=False)
+    assert report.step == {"torch_ms": 2.0, "kp_ms": 1.9, "reverted": ["out_norm"]}
+    assert report.chosen == {"norm": "kp_norms.RMSNorm"}
+    assert isinstance(model.norm, kp_norms.RMSNorm) and type(model.out_norm) is nn.LayerNorm
+    out_norm = next(layer for layer in report.layers if layer.name == "out_norm")
+    assert "reverted" in out_norm.why and [t.status for t in out_norm.tried] == ["reverted"]
+
+    model, x = block(DEVICE)
+    report = kp.optimize(model, (x,), deny=NO_FLOAT8, timer=FixedTimer(layers, {"torch": 1.0, "kp": 1.5}), report=False)
+    assert report.chosen == {} and report.step["reverted"] == ["out_norm", "norm"]
+    assert type(model.norm) is nn.RMSNorm and type(model.out_norm) is nn.LayerNorm
+
+
+def test_float8_is_checked_against_its_loss_budget():
+    model, x = block(DEVICE)
+    weight = model.up.weight
+    times = {("*", "torch"): 1.0, ("*", "float8 tensorwise"): 0.5, ("*", "float8 rowwise"): 0.6}
+    report = kp.optimize(model, (x,), allow=["float8*"], timer=FixedTimer(times), report=False)
+    assert report.chosen == {"up": "float8 tensorwise", "down": "float8 tensorwise"}
+    assert isinstance(model.up, kp_precision.Float8Linear) and model.up.weight is weight
+    for layer in report.layers:
+        assert all("budget 1e-01" in t.error for t in layer.tried), layer.tried
+
+    model, x = block(DEVICE)
+    report = kp.optimize(model, (x,), allow=["float8*"], loss_budget=1e-3, timer=FixedTimer(times), report=False)
+    assert report.chosen == {}
+    assert {t.status for layer in report.layers for t in layer.tried} == {"refused"}
+
+
+def test_inference_mode_times_the_forward_and_offers_inference_candidates():
+    model, x = block(DEVICE)
+    timer = FixedTimer({("*", "torch"): 1.0, ("*", "kp_norms.RMSNorm"): 0.5})
+    report = kp.optimize(model, (x,), mode="infer", deny=["float8*"], timer=timer, report=False)
+    assert report.chosen["norm"] == "kp_norms.RMSNorm"
+    linear = next(layer for layer in report.layers if layer.name == "up")
+    assert [t.name for t in linear.tried] == ["2:4 sparse"]
+    # magnitude-pruned dense weights are far outside the budget, or 2:4 cannot run here at all
+    assert linear.tried[0].status in ("refused", "not applicable") and linear.choice == "torch"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(mode="training"), ValueError, "mode must be 'train' or 'infer'"),
+        (dict(allow="float8"), TypeError, "allow must be a list of name patterns"),
+        (dict(deny=[3]), TypeError, "deny must be a list"),
+        (dict(loss_budget=0), ValueError, "loss_budget must be a number > 0"),
+        (dict(min_speedup=0.5), ValueError, "min_speedup must be a number >= 1"),
+        (dict(timer=3), TypeError, "timer must be callable"),
+        (dict(check_rows=0), ValueError, "check_rows must be an int >= 1"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    model, x = block(DEVICE)
+    with pytest.raises(error, match=match):
+        kp.optimize(model, (x,), report=False, **kwargs)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        kp.optimize(lambda t: t, (x,))
+    with pytest.raises(TypeError, match="example_inputs must be a tensor or a tuple"):
+        kp.check(model, {"x": x})
+
+
+def test_a_hugging_face_llama_gets_kp_norms_and_fused_mlps_and_stays_correct():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    with torch.no_grad():
+        before = model(ids).logits
+    times = {("*", "torch"): 1.0, ("*", "kp_norms.RMSNorm"): 0.5, ("*", "kp_norms.GatedMLP"): 0.5}
+    report = kp.optimize(
+        model, (ids,), deny=NO_FLOAT8, timer=FixedTimer(times, {"torch": 1.0, "kp": 0.9}), report=False
+    )
+    assert sorted(set(report.chosen.values())) == ["kp_norms.GatedMLP", "kp_norms.RMSNorm"]
+    assert len(report.chosen) == 7  # 2 x (2 norms + MLP) + the final norm
+    assert isinstance(model.model.layers[1].mlp, kp_norms.GatedMLP) and isinstance(model.model.norm, kp_norms.RMSNorm)
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)  # fp32: the same function, rounded differently
+    kp.restore(model)
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
