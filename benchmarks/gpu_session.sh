@@ -23,6 +23,7 @@ for step in "$@"; do
   case $step in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
           python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" ;;
+    tests-kp) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider packages/kp/tests ;;
     tests-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
                "packages/kp-${step#tests-}/tests" ;;
     conformance-*-a|conformance-*-b)  # a tier in two calls: part a's report comes back and travels to part b
