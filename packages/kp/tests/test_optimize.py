@@ -175,7 +175,7 @@ def test_bad_arguments(kwargs, error, match):
         kp.check(model, {"x": x})
 
 
-def test_a_hugging_face_llama_gets_kp_norms_and_fused_mlps_and_stays_correct():
+def _llama():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=128,
@@ -184,10 +184,14 @@ def test_a_hugging_face_llama_gets_kp_norms_and_fused_mlps_and_stays_correct():
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(DEVICE)
-    ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    return transformers.LlamaForCausalLM(config).to(DEVICE), torch.randint(0, 128, (2, 16), device=DEVICE)
+
+
+def test_a_hugging_face_llama_gets_kp_norms_and_fused_mlps_and_stays_correct():
+    model, ids = _llama()
     with torch.no_grad():
         before = model(ids).logits
     times = {("*", "torch"): 1.0, ("*", "kp_norms.RMSNorm"): 0.5, ("*", "kp_norms.GatedMLP"): 0.5}
@@ -202,3 +206,37 @@ def test_a_hugging_face_llama_gets_kp_norms_and_fused_mlps_and_stays_correct():
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)  # fp32: the same function, rounded differently
     kp.restore(model)
     assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+
+
+def test_attention_is_decided_for_the_whole_model_from_every_layers_time():
+    model, ids = _llama()
+    with torch.no_grad():
+        before = model(ids).logits
+    faster = {("*", "torch"): 1.0, ("model.layers.0.self_attn", "kp_attention"): 0.5}  # layer 1: 1.0, as torch
+    step = {"torch": 1.0, "kp": 0.9}
+    report = kp.optimize(model, (ids,), allow=["attention"], timer=FixedTimer(faster, step), report=False)
+    attention = [layer for layer in report.layers if layer.kind == "attention"]
+    assert [layer.name for layer in attention] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all(layer.tried[0].status == "chosen" for layer in attention), [layer.tried for layer in attention]
+    assert "1.33x over the 2 attention layers" in attention[1].why  # 2.0 ms against 1.5 ms, both layers
+    assert model.config._attn_implementation == "kp"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-4)
+    kp.restore(model)
+    assert model.config._attn_implementation == "sdpa"
+
+    model, ids = _llama()
+    even = {("*", "torch"): 1.0, ("*", "kp_attention"): 0.99}
+    report = kp.optimize(model, (ids,), allow=["attention"], timer=FixedTimer(even, step), report=False)
+    assert report.chosen == {} and model.config._attn_implementation == "sdpa"
+    assert all("below 1.03x: kept torch in every layer" in layer.why for layer in report.layers)
+
+
+def test_attention_checks_the_kp_layer_against_float64_with_gradients():
+    model, ids = _llama()
+    report = kp.check(model, (ids,), allow=["attention"], report=False)
+    assert {layer.name: [t.status for t in layer.tried] for layer in report.layers} == {
+        "model.layers.0.self_attn": ["checked"],
+        "model.layers.1.self_attn": ["checked"],
+    }
+    assert all("grad" in t.error or "output" in t.error for layer in report.layers for t in layer.tried)

@@ -1,7 +1,8 @@
 """Route a Hugging Face model's attention through kp, via transformers' attention-function registry.
 
 `patch(model)` registers an attention function named "kp" (and the SDPA mask builder under the same name) and
-switches the model to it with `set_attn_implementation`; `unpatch(model)` switches back. transformers is
+switches the model to it with `set_attn_implementation`; `unpatch(model)` switches back; `register()` only
+registers it (kp.optimize times a layer with it before deciding for the model). transformers is
 imported only here, when a model is patched: it stays an optional dependency.
 """
 
@@ -54,12 +55,15 @@ def kp_attention_forward(
     return out.transpose(1, 2), None
 
 
-def _register() -> None:
+def register() -> str:
+    """Register kp's attention function (and the SDPA mask builder) with transformers under the name "kp", without
+    switching any model to it (`patch` does both); returns the name. Imports transformers."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(NAME, kp_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    return NAME
 
 
 def patch(model: nn.Module) -> str:
@@ -67,7 +71,7 @@ def patch(model: nn.Module) -> str:
     Returns the implementation it replaced (e.g. "sdpa"); `unpatch` restores it."""
     if not isinstance(model, nn.Module) or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"kp_attention.patch: model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    _register()
+    register()
     previous = model.config._attn_implementation
     if previous != NAME:
         setattr(model, _PREVIOUS, previous)

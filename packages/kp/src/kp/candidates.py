@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+import kp_attention
 import kp_norms
 import kp_precision
 import kp_sparsity
@@ -17,7 +18,7 @@ import kp_sparsity
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     name: str  # in the report; allow / deny match it
-    family: str  # "norms", "glu", "float8", "sparsity"; allow / deny match it too
+    family: str  # "norms", "glu", "float8", "sparsity", "attention"; allow / deny match it too
     build: Callable[[nn.Module], nn.Module]
     lossy: bool = False  # changes the layer's function beyond rounding: checked against the loss budget instead
     modes: tuple[str, ...] = ("train", "infer")
@@ -61,6 +62,38 @@ def _float8_inference(recipe: str) -> Candidate:
     )
 
 
+class Switched(nn.Module):
+    """A Hugging Face attention layer run with another attention implementation of transformers' registry: the
+    config is the model's (shared by its layers), so it is switched for the call only. kp.optimize times and checks
+    a layer with it; the choice itself is made for the whole model (`kp_attention.patch`)."""
+
+    def __init__(self, module: nn.Module, implementation: str):
+        super().__init__()
+        self.module, self.implementation = module, implementation
+
+    def forward(self, *args, **kwargs):
+        config = self.module.config
+        previous = config._attn_implementation
+        config._attn_implementation = self.implementation
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            config._attn_implementation = previous
+
+
+ATTENTION = Candidate("kp_attention", "attention", lambda m: Switched(m, kp_attention.register()))
+
+
+def _is_hf_attention(module: nn.Module) -> bool:
+    """A transformers attention layer that dispatches through the attention registry by its config."""
+    config = getattr(module, "config", None)
+    return (
+        type(module).__module__.startswith("transformers.models.")
+        and type(module).__name__.endswith("Attention")
+        and isinstance(getattr(config, "_attn_implementation", None), str)
+    )
+
+
 _NORM_KINDS = {"rms_norm": {"rms_norm": True}, "layer_norm": {"layer_norm": True}, "gated_mlp": {"swiglu": True}}
 _NORM_NAMES = {"rms_norm": "kp_norms.RMSNorm", "layer_norm": "kp_norms.LayerNorm", "gated_mlp": "kp_norms.GatedMLP"}
 LINEAR = (
@@ -77,6 +110,8 @@ def kind_of(module: nn.Module) -> str | None:
     packages' own patching does: a subclass may compute something else."""
     if type(module) is nn.Linear:
         return "linear"
+    if _is_hf_attention(module):
+        return "attention"
     for kind, flags in _NORM_KINDS.items():
         if _kp_norms(module, **flags) is not None:
             return kind
@@ -86,6 +121,8 @@ def kind_of(module: nn.Module) -> str | None:
 def candidates(kind: str, mode: str) -> list[Candidate]:
     if kind == "linear":
         return [c for c in LINEAR if mode in c.modes]
+    if kind == "attention":
+        return [ATTENTION]
     flags = _NORM_KINDS[kind]
     family = "glu" if kind == "gated_mlp" else "norms"
     return [Candidate(_NORM_NAMES[kind], family, lambda m: _kp_norms(m, **flags))]

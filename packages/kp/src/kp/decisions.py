@@ -6,15 +6,17 @@ slower than PyTorch's."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from fnmatch import fnmatch
 
 import torch
 from torch import nn
 
+import kp_attention
 from kp import cache as disk
-from kp.candidates import Candidate, candidates, kind_of
+from kp.candidates import ATTENTION, Candidate, candidates, kind_of
 from kp.env import environment
 from kp.measure import Inputs, Timer, default_timer, floats, step, trainable, upstream
 from kp.measure import check as check_layer
@@ -22,7 +24,8 @@ from kp.report import Layer, Report, Tried
 from kp.sites import Site, capture
 
 MODES = ("train", "infer")
-_UNDO = "_kp_optimize_undo"  # on the model: (parent, child name, previous module), in the order they were set
+_UNDO = "_kp_optimize_undo"  # on the model: (name, how to undo it), in the order they were done
+ATTENTION_LAYERS = "attention (every layer)"
 
 
 def _arguments(fn: str, model, example_inputs, mode, allow, deny, loss_budget, rows) -> tuple:
@@ -126,14 +129,37 @@ def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[
     return Layer(site.name, site.kind, torch_ms, tried, choice, why), passed, times
 
 
-def _replace(model: nn.Module, old: nn.Module, new: nn.Module, undo: list) -> None:
-    """Put `new` wherever `old` is in the model (every name a shared module has)."""
-    for name, module in list(model.named_modules(remove_duplicate=False)):
-        if module is old and name:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            undo.append((parent, child, parent._modules[child]))
-            parent._modules[child] = new
+@dataclasses.dataclass
+class Swap:
+    """One decision to apply: a layer's module replaced, or the model's attention implementation switched."""
+
+    name: str
+    depth: int  # outer layers are applied first: inner ones then land in the new outer module, which holds them
+    gain_ms: float  # the layer's (or all attention layers') measured gain over PyTorch's
+    apply: Callable[[nn.Module, list], None]  # (model, undo): does it, appending (name, how to undo it) to undo
+
+
+def _module_swap(site: Site, new: nn.Module, gain_ms: float) -> Swap:
+    def apply(model: nn.Module, undo: list) -> None:
+        # wherever the module is: every name of a shared module, and inside an already replaced outer module
+        for name, module in list(model.named_modules(remove_duplicate=False)):
+            if module is site.module and name:
+                parent_name, _, child = name.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                previous = parent._modules[child]
+                parent._modules[child] = new
+                undo.append((name, lambda p=parent, c=child, m=previous: p._modules.__setitem__(c, m)))
+
+    return Swap(site.name, site.name.count("."), gain_ms, apply)
+
+
+def _attention_switch(gain_ms: float) -> Swap:
+    def apply(model: nn.Module, undo: list) -> None:
+        root = next(m for m in model.modules() if hasattr(m, "set_attn_implementation"))
+        kp_attention.patch(root)
+        undo.append((ATTENTION_LAYERS, lambda: kp_attention.unpatch(root)))
+
+    return Swap(ATTENTION_LAYERS, -1, gain_ms, apply)
 
 
 def restore(model: nn.Module) -> list[str]:
@@ -141,16 +167,16 @@ def restore(model: nn.Module) -> list[str]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"kp.restore: model must be a torch.nn.Module, got {type(model).__name__}")
     undo = model.__dict__.pop(_UNDO, [])
-    for parent, child, previous in reversed(undo):
-        parent._modules[child] = previous
-    return [child for _, child, _ in undo]
+    for _, fn in reversed(undo):
+        fn()
+    return [name for name, _ in undo]
 
 
-def _apply(model: nn.Module, chosen: list[tuple[Site, nn.Module]]) -> None:
+def _apply(model: nn.Module, swaps: list[Swap]) -> None:
     restore(model)
     undo: list = []
-    for site, new in sorted(chosen, key=lambda sn: sn[0].name.count(".")):  # outer layers first: inner ones
-        _replace(model, site.module, new, undo)  # then land in the new outer module, which holds them
+    for swap in sorted(swaps, key=lambda s: s.depth):
+        swap.apply(model, undo)
     object.__setattr__(model, _UNDO, undo)  # a plain attribute: not a child, not in state_dict
 
 
@@ -204,7 +230,7 @@ def optimize(
     env = environment()
     result = Report(mode, env)
     cached = disk.load() if cache else {}
-    fresh, chosen, gains = {}, [], {}
+    fresh, swaps, attention = {}, [], []
     for site in _sites(model, example_inputs):
         cands = [c for c in candidates(site.kind, mode) if _allowed(site, c, allow, deny)]
         if not cands:
@@ -216,36 +242,65 @@ def optimize(
         layer.cached = key in cached
         fresh[key] = times
         result.layers.append(layer)
-        if layer.choice != "torch":
-            chosen.append((site, passed[layer.choice]))
-            gains[site.name] = layer.torch_ms - min(t.ms for t in layer.tried if t.name == layer.choice)
+        if site.kind == "attention":
+            attention.append(layer)
+        elif layer.choice != "torch":
+            gain = layer.torch_ms - next(t.ms for t in layer.tried if t.name == layer.choice)
+            swaps.append(_module_swap(site, passed[layer.choice], gain))
+    if attention:
+        swaps += _attention(attention, min_speedup)
     if cache and fresh:
         disk.store(fresh)
-    if chosen:
-        _never_slower(model, example_inputs, mode, timer, chosen, gains, result)
+    if swaps:
+        _never_slower(model, example_inputs, mode, timer, swaps, result)
     result.seconds = time.perf_counter() - start
     if report:
         print(result.text())
     return result
 
 
-def _never_slower(model, example_inputs, mode, timer, chosen, gains, result: Report) -> None:
-    """Time the whole step with PyTorch's layers and with kp's; undo the least useful replacement until kp's step
-    is not slower."""
+def _attention(layers: list[Layer], min_speedup: float) -> list[Swap]:
+    """The attention implementation is the model's (one config for every layer): kp's is chosen when it passed
+    its check on every attention layer and their summed time beats PyTorch's by min_speedup."""
+    kp_ms = [
+        next((t.ms for t in layer.tried if t.name == ATTENTION.name and t.ms is not None), None) for layer in layers
+    ]
+    failed = [layer.name for layer, ms in zip(layers, kp_ms) if ms is None]
+    chosen = False
+    if failed:
+        why = f"{ATTENTION.name} not usable on {', '.join(failed)}: kept for every layer (one setting per model)"
+    else:
+        torch_total, kp_total = sum(layer.torch_ms for layer in layers), sum(kp_ms)
+        speedup = torch_total / kp_total
+        chosen = speedup >= min_speedup
+        verdict = "chosen for" if chosen else f"below {min_speedup:.2f}x: kept torch in"
+        why = f"{ATTENTION.name} {speedup:.2f}x over the {len(layers)} attention layers, {verdict} every layer"
+    for layer in layers:
+        for t in layer.tried:
+            if t.name == ATTENTION.name and t.status in ("chosen", "slower"):
+                t.status = "chosen" if chosen else "slower"
+        layer.choice, layer.why = (ATTENTION.name if chosen else "torch"), why
+    return [_attention_switch(torch_total - kp_total)] if chosen else []
+
+
+def _never_slower(model, example_inputs, mode, timer, swaps: list[Swap], result: Report) -> None:
+    """Time the whole step with PyTorch's layers and with kp's; undo the least useful swap until kp's step is not
+    slower."""
     run = _whole_step(model, example_inputs, mode)
     torch_ms = timer("(whole step)", "torch", run)
-    _apply(model, chosen)
+    _apply(model, swaps)
     kp_ms = timer("(whole step)", "kp", run)
     reverted = []
-    while chosen and kp_ms > torch_ms:
-        site, _ = min(chosen, key=lambda sn: gains[sn[0].name])
-        chosen = [(s, m) for s, m in chosen if s is not site]
-        reverted.append(site.name)
-        _apply(model, chosen)
+    while swaps and kp_ms > torch_ms:
+        worst = min(swaps, key=lambda s: s.gain_ms)
+        swaps = [s for s in swaps if s is not worst]
+        reverted.append(worst.name)
+        _apply(model, swaps)
         kp_ms = timer("(whole step)", f"kp without {', '.join(reverted)}", run)
     result.step = {"torch_ms": torch_ms, "kp_ms": kp_ms, "reverted": reverted}
     for layer in result.layers:
-        if layer.name in reverted:
+        unit = ATTENTION_LAYERS if layer.kind == "attention" else layer.name
+        if unit in reverted and layer.choice != "torch":
             for t in layer.tried:
                 if t.name == layer.choice:
                     t.status = "reverted"

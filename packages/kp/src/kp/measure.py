@@ -56,8 +56,8 @@ def floats(value) -> list[torch.Tensor]:
 @dataclasses.dataclass
 class Inputs:
     """A site's arguments for one kind of run: the first floating tensor argument (the activation) requires grad
-    in training, as it does inside the model; `rows` keeps that many leading rows (the layers kp serves
-    treat rows independently), for a cheaper float64 check."""
+    in training, as it does inside the model; `rows` keeps that many leading rows (of layers that treat rows
+    independently), for a cheaper float64 check."""
 
     args: tuple
     kwargs: dict
@@ -72,13 +72,14 @@ class Inputs:
                 t = t.reshape(-1, t.shape[-1])[:rows]
             return t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
 
-        args, kwargs = tree_map(prepare, site.args), tree_map(prepare, site.kwargs)
-        first = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        args, kwargs = list(tree_map(prepare, site.args)), tree_map(prepare, site.kwargs)
         grad_of = []
-        if mode == "train" and first is not None:
-            args = (*args[:first], args[first].requires_grad_(), *args[first + 1 :])
-            grad_of.append(args[first])
-        return cls(args, kwargs, grad_of)
+        if mode == "train":  # the activation: the first floating tensor argument, by position or else by keyword
+            for holder, key in [*((args, i) for i in range(len(args))), *((kwargs, k) for k in kwargs)]:
+                if isinstance(holder[key], torch.Tensor) and holder[key].is_floating_point():
+                    grad_of.append(holder[key].requires_grad_())
+                    break
+        return cls(tuple(args), kwargs, grad_of)
 
 
 def step(module: nn.Module, inputs: Inputs, mode: str, params: list, grads: list | None = None) -> Callable:
@@ -122,6 +123,7 @@ def check(site: Site, candidate: nn.Module, mode: str, lossy: bool, budget: floa
     rows) and the layer's own weights: outputs and, in training, the input's and every parameter's gradient.
     Lossless candidates obey the rule (at most twice PyTorch's own error in the model's precision, plus an
     ulp); lossy ones (float8, 2:4) a relative error of at most `budget` in each of them."""
+    rows = rows if site.per_row else None
     ref_module = copy.deepcopy(site.module).to(torch.float64)
     refs = step(ref_module, Inputs.of(site, mode, torch.float64, rows), mode, trainable(ref_module))()
     low = step(site.module, Inputs.of(site, mode, None, rows), mode, trainable(site.module))()

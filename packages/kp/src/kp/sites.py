@@ -15,9 +15,14 @@ class Site:
 
     name: str  # the module's qualified name in the model
     module: nn.Module  # the original object
-    kind: str  # "rms_norm", "layer_norm", "gated_mlp", "linear"
+    kind: str  # "rms_norm", "layer_norm", "gated_mlp", "linear", "attention"
     args: tuple = ()
     kwargs: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def per_row(self) -> bool:
+        """Each row of the input is computed alone (a norm, a linear, an MLP; not attention)."""
+        return self.kind != "attention"
 
     def signature(self) -> str:
         """What a measured decision depends on: the module's class and settings, its parameters' and inputs'
@@ -39,6 +44,12 @@ def _detached(value):
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
 
 
+def _without_caches(kwargs: dict) -> dict:
+    """A KV cache (transformers' Cache objects) grows at every call: each of a layer's test runs must start from
+    none, as a training step does."""
+    return {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
+
+
 def capture(model: nn.Module, example_inputs: tuple, kinds: dict[str, str]) -> list[Site]:
     """Run `model(*example_inputs)` once without gradients and keep each listed module's first call's
     arguments. `kinds`: qualified name -> kind. Modules the example never calls are left out."""
@@ -48,7 +59,7 @@ def capture(model: nn.Module, example_inputs: tuple, kinds: dict[str, str]) -> l
     def hook_for(name: str, kind: str):
         def hook(module, args, kwargs):
             if name not in sites:
-                sites[name] = Site(name, module, kind, _detached(args), _detached(kwargs))
+                sites[name] = Site(name, module, kind, _detached(args), _detached(_without_caches(kwargs)))
 
         return hook
 
