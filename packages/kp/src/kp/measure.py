@@ -56,8 +56,8 @@ def floats(value) -> list[torch.Tensor]:
 @dataclasses.dataclass
 class Inputs:
     """A site's arguments for one kind of run: the first floating tensor argument (the activation) requires grad
-    in training, as it does inside the model; `rows` keeps that many leading rows (of layers that treat rows
-    independently), for a cheaper float64 check."""
+    in training, as it does inside the model. For a cheaper float64 check, `rows` keeps that many leading rows
+    of a layer that treats rows independently, or the batch's first sequence of an attention layer."""
 
     args: tuple
     kwargs: dict
@@ -69,7 +69,8 @@ class Inputs:
             if not isinstance(t, torch.Tensor):
                 return t
             if rows is not None and t.dim() >= 2:
-                t = t.reshape(-1, t.shape[-1])[:rows]
+                # rows of a per-row layer; for attention, the first sequence of the batch (and its mask)
+                t = t.reshape(-1, t.shape[-1])[:rows] if site.per_row else t[:1]
             return t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
 
         args, kwargs = list(tree_map(prepare, site.args)), tree_map(prepare, site.kwargs)
@@ -123,7 +124,6 @@ def check(site: Site, candidate: nn.Module, mode: str, lossy: bool, budget: floa
     rows) and the layer's own weights: outputs and, in training, the input's and every parameter's gradient.
     Lossless candidates obey the rule (at most twice PyTorch's own error in the model's precision, plus an
     ulp); lossy ones (float8, 2:4) a relative error of at most `budget` in each of them."""
-    rows = rows if site.per_row else None
     ref_module = copy.deepcopy(site.module).to(torch.float64)
     refs = step(ref_module, Inputs.of(site, mode, torch.float64, rows), mode, trainable(ref_module))()
     low = step(site.module, Inputs.of(site, mode, None, rows), mode, trainable(site.module))()
