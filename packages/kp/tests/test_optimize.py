@@ -11,7 +11,7 @@ from torch import nn
 import kp
 import kp_norms
 import kp_precision
-from kp import cache, candidates, decisions
+from kp import cache, candidates, decisions, measure
 from kp.candidates import Candidate
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,3 +240,28 @@ def test_attention_checks_the_kp_layer_against_float64_with_gradients():
         "model.layers.1.self_attn": ["checked"],
     }
     assert all("grad" in t.error or "output" in t.error for layer in report.layers for t in layer.tried)
+
+
+def test_the_float64_reference_keeps_a_layers_own_float32_casts_in_float64():
+    x = torch.randn(3, dtype=torch.float64)
+    with measure.Float64():
+        casts = [x.float(), x.to(torch.float32), x.to(dtype=torch.bfloat16), x.half(), x.type(torch.float32)]
+        made = torch.zeros(2, dtype=torch.float32)
+        ints = torch.arange(3)
+    assert {t.dtype for t in casts + [made]} == {torch.float64} and ints.dtype == torch.int64
+    # Hugging Face's RMSNorm normalises in float32 whatever its input: against a float32-exact "reference", kp's
+    # float32 kernel (as exact as PyTorch's) was refused on 4 of this model's 5 norms.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    report = kp.check(model, (torch.randint(0, 512, (2, 64), device=DEVICE),), allow=["norms"], report=False)
+    assert len(report.layers) == 5
+    assert all(t.status == "checked" for layer in report.layers for t in layer.tried), report.text()

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import kp_core
@@ -107,6 +108,25 @@ def trainable(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+def _float64(value):
+    lower = isinstance(value, torch.dtype) and value.is_floating_point and value != torch.float64
+    return torch.float64 if lower else value
+
+
+class Float64(TorchFunctionMode):
+    """The float64 reference run: a layer's own casts to a lower float precision stay in float64 (Hugging Face's
+    RMSNorms compute in float32 whatever their input: a float64 copy of one would be only as exact as float32)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _CASTS and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            return args[0].to(torch.float64)
+        args = tuple(_float64(a) for a in args)
+        return func(*args, **{k: _float64(v) for k, v in (kwargs or {}).items()})
+
+
+_CASTS = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+
+
 @dataclasses.dataclass
 class Check:
     ok: bool
@@ -125,7 +145,8 @@ def check(site: Site, candidate: nn.Module, mode: str, lossy: bool, budget: floa
     Lossless candidates obey the rule (at most twice PyTorch's own error in the model's precision, plus an
     ulp); lossy ones (float8, 2:4) a relative error of at most `budget` in each of them."""
     ref_module = copy.deepcopy(site.module).to(torch.float64)
-    refs = step(ref_module, Inputs.of(site, mode, torch.float64, rows), mode, trainable(ref_module))()
+    with Float64():
+        refs = step(ref_module, Inputs.of(site, mode, torch.float64, rows), mode, trainable(ref_module))()
     low = step(site.module, Inputs.of(site, mode, None, rows), mode, trainable(site.module))()
     ours = step(candidate, Inputs.of(site, mode, None, rows), mode, trainable(site.module))()
     names = [f"output {i}" for i in range(len(refs[0]))]
