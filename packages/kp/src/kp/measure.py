@@ -145,10 +145,15 @@ def check(site: Site, candidate: nn.Module, mode: str, lossy: bool, budget: floa
     Lossless candidates obey the rule (at most twice PyTorch's own error in the model's precision, plus an
     ulp); lossy ones (float8, 2:4) a relative error of at most `budget` in each of them."""
     ref_module = copy.deepcopy(site.module).to(torch.float64)
+    inputs = Inputs.of(site, "infer", None, rows)
+    with torch.no_grad():  # the upstream gradients, made outside Float64 (which would draw them in float64)
+        grads = upstream(floats(site.module(*inputs.args, **inputs.kwargs))) if mode == "train" else None
     with Float64():
-        refs = step(ref_module, Inputs.of(site, mode, torch.float64, rows), mode, trainable(ref_module))()
-    low = step(site.module, Inputs.of(site, mode, None, rows), mode, trainable(site.module))()
-    ours = step(candidate, Inputs.of(site, mode, None, rows), mode, trainable(site.module))()
+        grads64 = [g.to(torch.float64) for g in grads] if grads else None
+        ref_in = Inputs.of(site, mode, torch.float64, rows)
+        refs = step(ref_module, ref_in, mode, trainable(ref_module), grads64)()
+    low = step(site.module, Inputs.of(site, mode, None, rows), mode, trainable(site.module), grads)()
+    ours = step(candidate, Inputs.of(site, mode, None, rows), mode, trainable(site.module), grads)()
     names = [f"output {i}" for i in range(len(refs[0]))]
     if mode == "train":
         names += ["grad input"] * (len(refs[1]) - len(trainable(ref_module)))
