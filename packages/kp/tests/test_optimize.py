@@ -175,19 +175,19 @@ def test_bad_arguments(kwargs, error, match):
         kp.check(model, {"x": x})
 
 
-def _llama():
+def _llama(vocab=128, hidden=64, intermediate=128, seq=16):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(DEVICE), torch.randint(0, 128, (2, 16), device=DEVICE)
+    return transformers.LlamaForCausalLM(config).to(DEVICE), torch.randint(0, vocab, (2, seq), device=DEVICE)
 
 
 def test_a_hugging_face_llama_gets_kp_norms_and_fused_mlps_and_stays_correct():
@@ -251,17 +251,7 @@ def test_the_float64_reference_keeps_a_layers_own_float32_casts_in_float64():
     assert {t.dtype for t in casts + [made]} == {torch.float64} and ints.dtype == torch.int64
     # Hugging Face's RMSNorm normalises in float32 whatever its input: against a float32-exact "reference", kp's
     # float32 kernel (as exact as PyTorch's) was refused on 4 of this model's 5 norms.
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(DEVICE)
-    report = kp.check(model, (torch.randint(0, 512, (2, 64), device=DEVICE),), allow=["norms"], report=False)
+    model, ids = _llama(vocab=512, hidden=128, intermediate=352, seq=64)
+    report = kp.check(model, (ids,), allow=["norms"], report=False)
     assert len(report.layers) == 5
     assert all(t.status == "checked" for layer in report.layers for t in layer.tried), report.text()
