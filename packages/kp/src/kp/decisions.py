@@ -90,14 +90,21 @@ def _timed(site: Site, module: nn.Module, mode: str, label: str, timer: Timer) -
     return ms, peak
 
 
+def _cached(times: dict, name: str) -> tuple | None:
+    """A cached [ms, peak MiB], or None when absent or not of that shape (a file from another kp version)."""
+    entry = times.get(name)
+    ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], (int, float)) and entry[0] > 0
+    return tuple(entry) if ok else None
+
+
 def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[Layer, dict, dict]:
     """Check and time every candidate on one layer. Returns the report's row, the modules that passed their
     check, and the times (from `times` where cached; None as timer: check only)."""
-    times = dict(times)
-    torch_ms = None
+    times = dict(times)  # candidate -> [ms, peak MiB or None]
+    torch_ms = torch_peak = None
     if timer is not None:
-        torch_ms = times.get("torch") or _timed(site, site.module, mode, "torch", timer)[0]
-        times["torch"] = torch_ms
+        torch_ms, torch_peak = _cached(times, "torch") or _timed(site, site.module, mode, "torch", timer)
+        times["torch"] = [torch_ms, torch_peak]
     tried, passed = [], {}
     for c in cands:
         try:
@@ -111,10 +118,8 @@ def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[
             continue
         ms = peak = None
         if timer is not None:
-            ms = times.get(c.name)
-            if ms is None:
-                ms, peak = _timed(site, new, mode, c.name, timer)
-            times[c.name] = ms
+            ms, peak = _cached(times, c.name) or _timed(site, new, mode, c.name, timer)
+            times[c.name] = [ms, peak]
         tried.append(Tried(c.name, "checked" if timer is None else "slower", ms, peak, verdict.detail))
         passed[c.name] = new
     choice, why = "torch", "no candidate passed its check" if not passed else "checked only (kp.check)"
@@ -126,7 +131,7 @@ def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[
             best.status, choice, why = "chosen", best.name, f"{best.name} {speedup:.2f}x torch"
         else:
             why = f"fastest checked: {best.name} {speedup:.2f}x, below {min_speedup:.2f}x: kept torch"
-    return Layer(site.name, site.kind, torch_ms, tried, choice, why), passed, times
+    return Layer(site.name, site.kind, torch_ms, tried, choice, why, torch_peak_mib=torch_peak), passed, times
 
 
 @dataclasses.dataclass

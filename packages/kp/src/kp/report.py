@@ -27,7 +27,8 @@ class Layer:
     tried: list[Tried]
     choice: str  # a candidate's name, or "torch"
     why: str
-    cached: bool = False
+    cached: bool = False  # the times came from the cache (kp.cache_path())
+    torch_peak_mib: float | None = None
 
 
 @dataclasses.dataclass
@@ -54,14 +55,15 @@ class Report:
         for layer in self.layers:
             for t in layer.tried:
                 speed = f"{layer.torch_ms / t.ms:.2f}x" if t.ms and layer.torch_ms else "-"
-                ms = f"{t.ms:.3f}" if t.ms is not None else "-"
-                rows.append([layer.name, t.name, t.status, ms, speed, t.error or t.note])
-            torch_ms = f"{layer.torch_ms:.3f}" if layer.torch_ms is not None else "-"
-            rows.append([layer.name, "torch", "kept" if layer.choice == "torch" else "", torch_ms, "1.00x", layer.why])
+                rows.append([layer.name, t.name, t.status, _num(t.ms), speed, _num(t.peak_mib, 0), t.error or t.note])
+            kept = "kept" if layer.choice == "torch" else ""
+            rows.append(
+                [layer.name, "torch", kept, _num(layer.torch_ms), "1.00x", _num(layer.torch_peak_mib, 0), layer.why]
+            )
         return rows
 
     def text(self) -> str:
-        head = ["layer", "candidate", "status", "ms", "vs torch", "check / why"]
+        head = list(HEAD)
         rows = [head, *self.rows()]
         widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(head) - 1)]
         lines = [
@@ -75,7 +77,7 @@ class Report:
         return "\n".join(lines)
 
     def markdown(self) -> str:
-        head = ["layer", "candidate", "status", "ms", "vs torch", "check / why"]
+        head = list(HEAD)
         lines = [
             f"# kp.{self.action} ({self.mode})",
             "",
@@ -95,6 +97,13 @@ class Report:
         prefix.parent.mkdir(parents=True, exist_ok=True)
         prefix.with_suffix(".json").write_text(self.to_json() + "\n")
         prefix.with_suffix(".md").write_text(self.markdown())
+
+
+HEAD = ("layer", "candidate", "status", "ms", "vs torch", "peak MiB", "check / why")
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _step_line(step: dict) -> str:
