@@ -95,10 +95,14 @@ def test_cache_skips_the_timing_until_a_version_changes(monkeypatch):
     assert ("norm", "torch") in first.calls and cache.path().is_file()
 
     second = FixedTimer({})  # 1.0 for everything: were the layers timed again, nothing would be chosen
+    checks = []
+    real_check = decisions.check_layer
+    monkeypatch.setattr(decisions, "check_layer", lambda site, *a: checks.append(site.name) or real_check(site, *a))
     report = kp.optimize(model, (x,), deny=NO_FLOAT8, timer=second, report=False)
     assert [c for c in second.calls if c[0] != "(whole step)"] == []
     assert report.chosen == {"norm": "kp_norms.RMSNorm", "out_norm": "kp_norms.LayerNorm"}
     assert all(layer.cached for layer in report.layers)
+    assert sorted(checks) == ["norm", "out_norm"]  # a hit checks only the candidate it will choose (new weights)
 
     env = decisions.environment()
     monkeypatch.setattr(decisions, "environment", lambda: {**env, "triton": "0.0.1"})
@@ -106,6 +110,11 @@ def test_cache_skips_the_timing_until_a_version_changes(monkeypatch):
     report = kp.optimize(model, (x,), deny=NO_FLOAT8, timer=third, report=False)
     assert ("norm", "torch") in third.calls and report.chosen == {}
     assert not any(layer.cached for layer in report.layers)
+
+    checks.clear()  # cached now: both slower than torch (1.0 each), so nothing is checked at all
+    report = kp.optimize(model, (x,), deny=NO_FLOAT8, timer=FixedTimer({}), report=False)
+    assert checks == [] and report.chosen == {} and all(layer.cached for layer in report.layers)
+    assert all(t.note == "cached time, not checked again" for layer in report.layers for t in layer.tried)
 
 
 def test_never_slower_undoes_the_least_useful_choice_first():

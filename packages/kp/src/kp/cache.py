@@ -1,6 +1,6 @@
 """kp.optimize's measured times on disk, per (machine and versions, mode, layer signature, candidates), so that a
-second run on the same model skips the timing. The checks against float64 are never cached: they depend on the
-weights, which change between runs."""
+second run on the same model skips the timing. Verdicts are not reused: on a hit the candidate about to be chosen
+is checked again against float64, since the weights may have changed (kp.decisions)."""
 
 from __future__ import annotations
 

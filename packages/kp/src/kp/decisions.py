@@ -99,12 +99,18 @@ def _cached(times: dict, name: str) -> tuple | None:
 
 def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[Layer, dict, dict]:
     """Check and time every candidate on one layer. Returns the report's row, the modules that passed their
-    check, and the times (from `times` where cached; None as timer: check only)."""
-    times = dict(times)  # candidate -> [ms, peak MiB or None]
+    check, and the times (candidate -> [ms, peak MiB], None for one refused or not applicable; `times` holds the
+    cached ones; None as timer: check only). With every time cached, only the candidate to be chosen is checked."""
+    times = dict(times)
     torch_ms = torch_peak = None
     if timer is not None:
         torch_ms, torch_peak = _cached(times, "torch") or _timed(site, site.module, mode, "torch", timer)
         times["torch"] = [torch_ms, torch_peak]
+    # attention is decided for the whole model from every layer's check: always checked
+    if timer is not None and site.kind != "attention" and all(c.name in times for c in cands):
+        layer, passed = _layer_from_cache(site, cands, mode, times, budget, min_speedup, rows, torch_ms)
+        layer.torch_peak_mib = torch_peak
+        return layer, passed, times
     tried, passed = [], {}
     for c in cands:
         try:
@@ -112,9 +118,11 @@ def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[
             verdict = check_layer(site, new, mode, c.lossy, budget, rows)
         except Exception as e:  # a candidate that cannot serve this layer here (shape, dtype, device)
             tried.append(Tried(c.name, "not applicable", note=_short(e)))
+            times[c.name] = None
             continue
         if not verdict.ok:
             tried.append(Tried(c.name, "refused", error=verdict.detail))
+            times[c.name] = None
             continue
         ms = peak = None
         if timer is not None:
@@ -132,6 +140,35 @@ def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[
         else:
             why = f"fastest checked: {best.name} {speedup:.2f}x, below {min_speedup:.2f}x: kept torch"
     return Layer(site.name, site.kind, torch_ms, tried, choice, why, torch_peak_mib=torch_peak), passed, times
+
+
+def _layer_from_cache(site, cands, mode, times, budget, min_speedup, rows, torch_ms) -> tuple[Layer, dict]:
+    """A layer whose every time is cached: the candidates fast enough to be chosen are checked, fastest first,
+    until one passes (the weights may have changed since); the others are listed with their cached times."""
+    fast_first = sorted((c for c in cands if _cached(times, c.name)), key=lambda c: _cached(times, c.name)[0])
+    tried, passed, choice, why = [], {}, "torch", "no candidate passed its check when measured"
+    for c in fast_first:
+        ms, peak = _cached(times, c.name)
+        speedup = torch_ms / ms
+        if choice != "torch" or speedup < min_speedup:
+            why = why if choice != "torch" else f"fastest checked: {c.name} {speedup:.2f}x, below {min_speedup:.2f}x"
+            tried.append(Tried(c.name, "slower", ms, peak, note="cached time, not checked again"))
+            continue
+        try:
+            new = c.build(site.module)
+            verdict = check_layer(site, new, mode, c.lossy, budget, rows)
+        except Exception as e:
+            tried.append(Tried(c.name, "not applicable", ms, peak, note=_short(e)))
+            continue
+        if not verdict.ok:
+            tried.append(Tried(c.name, "refused", ms, peak, error=verdict.detail))
+            continue
+        tried.append(Tried(c.name, "chosen", ms, peak, verdict.detail))
+        passed[c.name], choice, why = new, c.name, f"{c.name} {speedup:.2f}x torch"
+    for c in cands:
+        if times[c.name] is None:
+            tried.append(Tried(c.name, "refused", note="refused or not applicable when measured, not checked again"))
+    return Layer(site.name, site.kind, torch_ms, tried, choice, why), passed
 
 
 @dataclasses.dataclass
@@ -223,7 +260,8 @@ def optimize(
     lossless candidates must meet kp's conformance rule instead. min_speedup: how much faster a candidate must be
     to replace PyTorch's layer. timer(layer, candidate, fn) -> ms replaces the built-in timing (CUDA events).
     check_rows: rows of each layer's input used for the float64 check. cache: reuse the times measured for the
-    same layers, versions and GPU (file: kp.cache.path()); checks always run."""
+    same layers, versions and GPU (file: kp.cache.path()); on a hit only the candidate about to be chosen is
+    checked again."""
     start = time.perf_counter()
     example_inputs = _arguments("optimize", model, example_inputs, mode, allow, deny, loss_budget, check_rows)
     if not isinstance(min_speedup, (int, float)) or min_speedup < 1:
