@@ -107,7 +107,8 @@ def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[
         torch_ms, torch_peak = _cached(times, "torch") or _timed(site, site.module, mode, "torch", timer)
         times["torch"] = [torch_ms, torch_peak]
     # attention is decided for the whole model from every layer's check: always checked
-    if timer is not None and site.kind != "attention" and all(c.name in times for c in cands):
+    known = all(c.name in times and (times[c.name] is None or _cached(times, c.name)) for c in cands)
+    if timer is not None and site.kind != "attention" and known:
         layer, passed = _layer_from_cache(site, cands, mode, times, budget, min_speedup, rows, torch_ms)
         layer.torch_peak_mib = torch_peak
         return layer, passed, times
