@@ -125,7 +125,7 @@ def main() -> None:
     steps = 3 if args.smoke else (args.steps if args.steps is not None else (300 if args.model == "demo" else 0))
     iters = 1 if args.smoke else args.iters
     torch.manual_seed(0)
-    base, what = demo.build(cfg)
+    base, what = demo.build({k: v for k, v in cfg.items() if k not in ("batch", "seq")})  # the model's sizes
     base = base.to(device=device, dtype=torch.float32 if args.smoke else torch.bfloat16)
     batch = synthetic(cfg, 1, cfg["batch"], cfg["seq"], device)[0]
     data = synthetic(cfg, steps, cfg["batch"], cfg["seq"], device) if steps else []
