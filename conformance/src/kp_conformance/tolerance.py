@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kp_core.tolerance import atol_for
+from kp_core.tolerance import atol_for, rule_bound
 
 
 def check_close(what: str, ours: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, dtype: torch.dtype) -> None:
@@ -17,10 +17,10 @@ def check_close(what: str, ours: torch.Tensor, ref64: torch.Tensor, lowp: torch.
     ref64 = ref64.detach().cpu()
     assert not torch.isnan(ours64).any(), f"{what}: {int(torch.isnan(ours64).sum())} NaN in our output"
     err = (ours64 - ref64).abs()
-    err_lowp = (lowp64 - ref64).abs().max().item()
-    atol = atol_for(dtype, ref64)
-    bound = 2 * err_lowp + atol
+    _, bound = rule_bound(ours64, ref64, lowp64, dtype)
     if err.max().item() > bound:
+        atol = atol_for(dtype, ref64)
+        err_lowp = (bound - atol) / 2
         i = int(err.argmax())
         at = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), err.shape)) if err.dim() else ()
         raise AssertionError(

@@ -59,13 +59,19 @@ def _allowed(site: Site, c: Candidate, allow: Iterable[str] | None, deny: Iterab
     return allow is None or any(fnmatch(n, p) for p in allow for n in names)
 
 
-def _sites(model: nn.Module, example_inputs: tuple) -> list[Site]:
+def _sites(model: nn.Module, example_inputs: tuple, mode: str, allow, deny) -> list[tuple[Site, list[Candidate]]]:
+    """The layers kp has a candidate for that `allow` and `deny` leave in, each with those candidates."""
     kinds = {}
     for name, module in model.named_modules():
         kind = kind_of(module) if name else None
         if kind is not None:
             kinds[name] = kind
-    return capture(model, example_inputs, kinds)
+    out = []
+    for site in capture(model, example_inputs, kinds):
+        cands = [c for c in candidates(site.kind, mode) if _allowed(site, c, allow, deny)]
+        if cands:
+            out.append((site, cands))
+    return out
 
 
 def _short(e: Exception) -> str:
@@ -97,6 +103,18 @@ def _cached(times: dict, name: str) -> tuple | None:
     return tuple(entry) if ok else None
 
 
+def _checked(site: Site, c: Candidate, mode: str, budget: float, rows: int) -> tuple[nn.Module | None, Tried | str]:
+    """(the candidate's module, its check's worst line) when it passes; else (None, a Tried saying why not)."""
+    try:
+        new = c.build(site.module)
+        verdict = check_layer(site, new, mode, c.lossy, budget, rows)
+    except Exception as e:  # a candidate that cannot serve this layer here (shape, dtype, device)
+        return None, Tried(c.name, "not applicable", note=_short(e))
+    if not verdict.ok:
+        return None, Tried(c.name, "refused", error=verdict.detail)
+    return new, verdict.detail
+
+
 def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[Layer, dict, dict]:
     """Check and time every candidate on one layer. Returns the report's row, the modules that passed their
     check, and the times (candidate -> [ms, peak MiB], None for one refused or not applicable; `times` holds the
@@ -114,22 +132,16 @@ def _layer(site, cands, mode, timer, times, budget, min_speedup, rows) -> tuple[
         return layer, passed, times
     tried, passed = [], {}
     for c in cands:
-        try:
-            new = c.build(site.module)
-            verdict = check_layer(site, new, mode, c.lossy, budget, rows)
-        except Exception as e:  # a candidate that cannot serve this layer here (shape, dtype, device)
-            tried.append(Tried(c.name, "not applicable", note=_short(e)))
-            times[c.name] = None
-            continue
-        if not verdict.ok:
-            tried.append(Tried(c.name, "refused", error=verdict.detail))
+        new, detail = _checked(site, c, mode, budget, rows)
+        if new is None:
+            tried.append(detail)
             times[c.name] = None
             continue
         ms = peak = None
         if timer is not None:
             ms, peak = _cached(times, c.name) or _timed(site, new, mode, c.name, timer)
             times[c.name] = [ms, peak]
-        tried.append(Tried(c.name, "checked" if timer is None else "slower", ms, peak, verdict.detail))
+        tried.append(Tried(c.name, "checked" if timer is None else "slower", ms, peak, detail))
         passed[c.name] = new
     choice, why = "torch", "no candidate passed its check" if not passed else "checked only (kp.check)"
     timed = [t for t in tried if t.name in passed and t.ms is not None]
@@ -155,16 +167,12 @@ def _layer_from_cache(site, cands, mode, times, budget, min_speedup, rows, torch
             why = why if choice != "torch" else f"fastest checked: {c.name} {speedup:.2f}x, below {min_speedup:.2f}x"
             tried.append(Tried(c.name, "slower", ms, peak, note="cached time, not checked again"))
             continue
-        try:
-            new = c.build(site.module)
-            verdict = check_layer(site, new, mode, c.lossy, budget, rows)
-        except Exception as e:
-            tried.append(Tried(c.name, "not applicable", ms, peak, note=_short(e)))
+        new, detail = _checked(site, c, mode, budget, rows)
+        if new is None:
+            detail.ms, detail.peak_mib = ms, peak
+            tried.append(detail)
             continue
-        if not verdict.ok:
-            tried.append(Tried(c.name, "refused", ms, peak, error=verdict.detail))
-            continue
-        tried.append(Tried(c.name, "chosen", ms, peak, verdict.detail))
+        tried.append(Tried(c.name, "chosen", ms, peak, detail))
         passed[c.name], choice, why = new, c.name, f"{c.name} {speedup:.2f}x torch"
     for c in cands:
         if times[c.name] is None:
@@ -275,10 +283,7 @@ def optimize(
     result = Report(mode, env)
     cached = disk.load() if cache else {}
     fresh, swaps, attention = {}, [], []
-    for site in _sites(model, example_inputs):
-        cands = [c for c in candidates(site.kind, mode) if _allowed(site, c, allow, deny)]
-        if not cands:
-            continue
+    for site, cands in _sites(model, example_inputs, mode, allow, deny):
         key = disk.key(env, mode, site.signature(), [c.name for c in cands])
         layer, passed, times = _layer(
             site, cands, mode, timer, cached.get(key, {}), loss_budget, min_speedup, check_rows
@@ -368,10 +373,8 @@ def check(
     start = time.perf_counter()
     example_inputs = _arguments("check", model, example_inputs, mode, allow, deny, loss_budget, check_rows)
     result = Report(mode, environment(), action="check")
-    for site in _sites(model, example_inputs):
-        cands = [c for c in candidates(site.kind, mode) if _allowed(site, c, allow, deny)]
-        if cands:
-            result.layers.append(_layer(site, cands, mode, None, {}, loss_budget, 1.0, check_rows)[0])
+    for site, cands in _sites(model, example_inputs, mode, allow, deny):
+        result.layers.append(_layer(site, cands, mode, None, {}, loss_budget, 1.0, check_rows)[0])
     result.seconds = time.perf_counter() - start
     if report:
         print(result.text())
