@@ -3,11 +3,16 @@
     python benchmarks/bench_norm.py                    # every kernel: headline shapes + N sweep
     python benchmarks/bench_norm.py --kernels layer_norm add_rms_norm --no-sweep
     python benchmarks/bench_norm.py --tune             # sweep kp's launch settings on the headline shapes
+    python benchmarks/bench_norm.py --kernels rms_norm+float8   # the norm with its float8 copy (norm_float8)
 
 GB/s counts the bytes the op must move (the Triton tutorials' convention), in bf16:
     norm forward 2*M*N*2 (read x, write y); forward+backward 5*M*N*2 (adds read x, read dy, write dx);
     add + norm forward 4*M*N*2 (read x, residual; write y, sum); forward+backward 8*M*N*2 (adds read dy,
     d(sum), sum; write one gradient, which is the input's and the residual's).
+rms_norm+float8 (kp_norms.norm_float8: the output and its float8 copy, forward) counts 5*M*N bytes (read x, write
+y in bf16 and its float8 copy), against kp's norm then kp's cast (once, and three times: a block's q, k and v
+projections each casting the norm's output), torch.compile of the norm and a float8 cast, and torchao's cast
+compiled with the norm.
 Each case is timed two ways, every provider alike: replayed from a CUDA graph (the kernels' own speed)
 and with plain launches under do_bench (what a Python loop that does nothing else sees: a ~100 us op is
 then bound by the CPU's launch and autograd overhead, and the figure is noisy).
@@ -30,7 +35,7 @@ EPS = 1e-6
 HEADLINE = [(16384, 4096), (8192, 8192)]
 SWEEP_N = [1024, 2048, 8192, 16384, 32768]
 SWEEP_ELEMENTS = 64 << 20
-KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "rms_norm+silu")
+KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "rms_norm+silu", "rms_norm+float8")
 BYTES = {"fwd": 2, "fwd+bwd": 5}  # per element per byte of dtype, for a plain norm
 BYTES_ADD = {"fwd": 4, "fwd+bwd": 8}
 
@@ -232,6 +237,96 @@ def run_kernel(kind: str, sweep: bool, copy: float) -> None:
     print(f"wrote {out}/{slug}.*")
 
 
+E4M3 = torch.float8_e4m3fn
+
+
+def torch_cast(y, rowwise: bool):
+    """float8 e4m3 data and scale of y, as torchao's dynamic recipes compute them, in PyTorch ops."""
+    yf = y.float()
+    amax = yf.abs().amax(dim=-1, keepdim=True) if rowwise else yf.abs().amax()
+    q = torch.finfo(E4M3).max / amax.clamp(min=1e-12)
+    return (yf * q).clamp(-448.0, 448.0).to(E4M3), q.reciprocal()
+
+
+def float8_providers(n: int, granularity: str) -> dict:
+    """name -> fn(x, w): the norm's output and its float8 copy."""
+    import kp_precision
+
+    rowwise = granularity == "rowwise"
+    compile_ = lambda f: torch.compile(f, dynamic=False)  # noqa: E731
+
+    def kp_then_casts(casts):
+        def fn(x, w):
+            y = kp_norms.rms_norm(x, (n,), w, EPS)
+            return y, [kp_precision.quantize(y, granularity=granularity) for _ in range(casts)][0]
+
+        return fn
+
+    out = {
+        "kp": lambda x, w: kp_norms.norm_float8(x, w, None, EPS, granularity=granularity),
+        "kp norm + kp cast": kp_then_casts(1),
+        "kp norm + 3 kp casts": kp_then_casts(3),
+        "compile(norm + cast)": compile_(lambda x, w: (y := F.rms_norm(x, (n,), w, EPS), torch_cast(y, rowwise))),
+    }
+    try:
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import LinearMMConfig
+
+        kind = ScalingGranularity.AXISWISE if rowwise else ScalingGranularity.TENSORWISE
+
+        def torchao(x, w):
+            y = F.rms_norm(x, (n,), w, EPS)
+            t = hp_tensor_to_float8_dynamic(
+                y, E4M3, LinearMMConfig(), scaling_granularity=kind, axiswise_dim=-1 if rowwise else None
+            )
+            return y, t._data, t._scale
+
+        out["torchao cast, compiled"] = compile_(torchao)
+    except Exception as e:  # absent or another API: printed, not hidden
+        print(f"torchao float8 cast unavailable: {type(e).__name__}: {e}")
+    return out
+
+
+def run_float8(copy: float) -> None:
+    """kp_norms.norm_float8 against the norm followed by a cast (kp's, torch.compile's, torchao's compiled)."""
+    rows = []
+    for (m, n), granularity in harness.progress(list(itertools.product(HEADLINE, ("tensorwise", "rowwise"))), "float8"):
+        fns = float8_providers(n, granularity)
+        x, _, w, _ = _inputs(m, n, False)
+        fused, plain = fns["kp"](x, w), fns["kp norm + kp cast"](x, w)
+        same = torch.equal(fused.output, plain[0]) and torch.equal(
+            fused.data.view(torch.uint8), plain[1].data.view(torch.uint8)
+        )
+        assert same, f"norm_float8 differs from kp's norm then kp's cast at {m}x{n} {granularity}"
+        for name, fn in fns.items():
+            row = dict(group="headline", M=m, N=n, mode=f"fwd {granularity}", provider=name)
+            with torch.no_grad():
+                rows.append(harness.timed(row, lambda fn=fn, x=x, w=w: fn(x, w), nbytes=5 * m * n, copy_gbps=copy))
+    meta = {"kernel": "rms_norm+float8", "dtype": "bfloat16", "copy_gbps": copy, **harness.versions()}
+    md = harness.render(
+        harness.header(meta["kernel"], meta, "; bytes: read x, write y and its float8 copy"), meta, rows
+    )
+    out = harness.write_results(
+        "rms_norm_float8",
+        meta,
+        rows,
+        md,
+        lambda path: harness.plot_bars(
+            rows,
+            meta,
+            path,
+            HEADLINE,
+            [f"fwd {g}" for g in ("tensorwise", "rowwise")],
+            "gbps_graph",
+            "GB/s",
+            "rms_norm + float8 copy, bf16",
+        ),
+    )
+    print(md)
+    print(f"wrote {out}/rms_norm_float8.*")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
@@ -245,7 +340,10 @@ def main() -> None:
     copy = harness.copy_bandwidth_gbps()
     print(f"device copy bandwidth this run: {copy:.0f} GB/s")
     for kind in args.kernels:
-        run_kernel(kind, not args.no_sweep, copy)
+        if kind == "rms_norm+float8":
+            run_float8(copy)
+        else:
+            run_kernel(kind, not args.no_sweep, copy)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import kp_conformance as kc
 import kp_core
 import kp_norms
-from kp_conformance.references import gelu64, gelu_tanh64, layer64, rms64, silu64
+from kp_conformance.references import gelu64, gelu_tanh64, layer64, quantize_fp8, rms64, silu64
 from kp_norms.ops import norm as norm_mod
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -33,16 +33,18 @@ kc.declare(
     kc.Spec(
         name="norm",
         package="kp-norms",
-        ops=("kp::norm", "kp::norm_backward", "kp::add_norm_"),
+        ops=("kp::norm", "kp::norm_backward", "kp::add_norm_", "kp::norm_float8", "kp::norm_float8_backward"),
         reference=(
             "float64 formulas: RMSNorm (Zhang & Sennrich 2019, eq. 4; torch.nn.RMSNorm), Gemma's (1 + w) and "
             "Llama's cast-then-weight RMSNorm (HF modeling_gemma / modeling_llama), LayerNorm (Ba et al. 2016; "
-            "torch.nn.LayerNorm), s = x + residual, SiLU / GELU (erf and tanh forms)"
+            "torch.nn.LayerNorm), s = x + residual, SiLU / GELU (erf and tanh forms); the float8 copy: the float8 "
+            "recipe's cast of the output in float32 PyTorch (kp_conformance.references.quantize_fp8)"
         ),
         dtypes=DTYPES,
         properties=(
             "values",
             "gradients",
+            "float8_output",
             "mixed_dtypes",
             "in_place",
             "no_mutation",
@@ -559,7 +561,20 @@ BAD_INPUTS = [
 ]
 
 
-test_bad_input = kc.bad_input_test("norm", BAD_INPUTS, DEVICE)
+FLOAT8_BAD_INPUTS = [
+    ("float64 input", lambda d: kp_norms.norm_float8(_t(d, 2, 16, dtype=torch.float64)), TypeError, "input"),
+    ("unknown kind", lambda d: kp_norms.norm_float8(_t(d, 2, 16), kind="batch"), ValueError, "kind"),
+    ("granularity", lambda d: kp_norms.norm_float8(_t(d, 2, 16), granularity="blockwise"), ValueError, "granularity"),
+    ("float8_dtype", lambda d: kp_norms.norm_float8(_t(d, 2, 16), float8_dtype=torch.int8), TypeError, "float8_dtype"),
+    ("power_of_2", lambda d: kp_norms.norm_float8(_t(d, 2, 16), power_of_2=1), TypeError, "power_of_2"),
+    ("bias with rms", lambda d: kp_norms.norm_float8(_t(d, 2, 16), None, _t(d, 16)), ValueError, "bias"),
+    ("offset with layer", lambda d: kp_norms.norm_float8(_t(d, 2, 16), kind="layer", offset=1.0), ValueError, "offset"),
+    ("residual shape", lambda d: kp_norms.norm_float8(_t(d, 2, 16), residual=_t(d, 2, 8)), ValueError, "residual"),
+    ("weight shape", lambda d: kp_norms.norm_float8(_t(d, 2, 16), _t(d, 8)), ValueError, "weight"),
+]
+
+
+test_bad_input = kc.bad_input_test("norm", BAD_INPUTS + FLOAT8_BAD_INPUTS, DEVICE)
 
 
 OPCHECK_FLAGS = [  # (residual, bias, rms, offset, round_n, act, weight dtype)
@@ -624,6 +639,167 @@ def test_compile_fullgraph_equals_eager(name, dtype):
             # The op is opaque to the compiler, so the same kernel computes both: results match to the bit
             # except for what Inductor fuses around it (x * 2), which is exact in every dtype here.
             assert torch.equal(a, b), f"compiled differs from eager by {(a.double() - b.double()).abs().max():.3e}"
+
+
+# ---- the float8 copy of the output (kp::norm_float8) ----
+
+FP8_FWD, FP8_BWD = norm_mod.OP_FP8, norm_mod.OP_FP8_BWD
+FP8_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT8_ARGS = {  # norm_float8's arguments for each variant: the same norm as the variant's own function
+    "rms_norm": dict(kind="rms"),
+    "rms_norm[gemma]": dict(kind="rms", offset=1.0, casting="gemma"),
+    "rms_norm[llama]": dict(kind="rms", casting="llama"),
+    "layer_norm": dict(kind="layer"),
+    "add_rms_norm": dict(kind="rms"),
+    "add_layer_norm": dict(kind="layer"),
+    "rms_norm+silu": dict(kind="rms", activation="silu"),
+    "layer_norm+gelu": dict(kind="layer", activation="gelu"),
+    "add_rms_norm[gemma]+gelu_tanh": dict(kind="rms", offset=1.0, activation="gelu_tanh"),
+}
+
+
+def bits_equal(what, ours, ref):
+    """Bit for bit (float8 as bytes; NaN equal to NaN)."""
+    if ours.dtype in FP8:
+        ours, ref = ours.view(torch.uint8), ref.view(torch.uint8)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def check_float8(name, c: Case, granularity, fp8, power_of_2, looped, soft=None, with_grads=False):
+    """norm_float8 on one case: the kernels asked for ran; output (and sum) bit for bit the variant's own kp
+    function's (held to the rule against float64 by test_values) and by the rule here too; the float8 copy bit for
+    bit the recipe's cast of that output; with_grads: the gradients bit for bit the variant's function's."""
+    v = VARIANTS[name]
+
+    def path():
+        return looped_path(c.x.shape[-1]) if looped else contextlib.nullcontext()
+
+    convert = contextlib.nullcontext() if soft is None else kp_core.pinned("fp8_convert", soft=soft)
+    cast = dict(float8_dtype=fp8, granularity=granularity, power_of_2=power_of_2)
+    leaves = [None if t is None else t.detach().requires_grad_(with_grads) for t in c.inputs()]
+    x, r, w, b = leaves
+    with path(), convert, kp_core.record_launches() as rec:
+        out = kp_norms.norm_float8(x, w, b, c.eps, residual=r, **FLOAT8_ARGS[name], **cast)
+    if c.x.numel():
+        kc.assert_kernel_ran(rec, FP8_FWD)
+        expected = {"_norm_fwd_looped" if looped else "_norm_fwd"}
+        if looped or granularity == "tensorwise":
+            expected.add("_cast_float8")
+        assert rec.kernels(FP8_FWD) == expected, f"expected {expected}, ran {rec.launches}"
+    plain_leaves = [None if t is None else t.detach().requires_grad_(with_grads) for t in c.inputs()]
+    with path():
+        plain = v.ours(*plain_leaves, c.eps)
+    outs = (out.output,) if not v.residual else (out.output, out.sum)
+    for i, (a, p) in enumerate(zip(outs, plain)):
+        bits_equal(f"{name} output {i} against the plain function", a, p)
+    ref = v.ref(*c.double(), effective_eps(c.eps, c.x.dtype))
+    low = v.lowp(*c.inputs(), c.eps)
+    for i, (a, r64, lo) in enumerate(zip(outs, ref, low)):
+        kc.check_close(f"{name} output {i}", a, r64, lo, lo.dtype if i == 0 else c.x.dtype)
+    data, scale, amax = quantize_fp8(out.output.detach(), fp8, granularity, None, None, power_of_2)
+    assert out.data.dtype == fp8 and out.scale.shape == scale.shape and out.amax.shape == amax.shape
+    bits_equal(f"{name} float8 data", out.data, data)
+    bits_equal(f"{name} float8 scale", out.scale, scale)
+    bits_equal(f"{name} float8 amax", out.amax, amax)
+    if with_grads and c.x.numel():
+        seed = int(c.x.numel()) % 1000
+        cot = [kc.make_input(o.shape, o.dtype, DEVICE, "contiguous", seed=seed + 21 + k) for k, o in enumerate(outs)]
+        with path(), kp_core.record_launches() as rec:
+            torch.autograd.backward(outs, cot)
+        kc.assert_kernel_ran(rec, FP8_BWD)
+        with path():
+            torch.autograd.backward(plain, cot)
+        for label, a, p in zip(("dx", "dresidual", "dw", "db"), leaves, plain_leaves):
+            if a is not None:
+                bits_equal(f"{name} {label} against the plain function", a.grad, p.grad)
+
+
+@pytest.mark.parametrize("name", cells("float8_output"))
+@pytest.mark.parametrize("dtype", FP8_INPUTS, ids=kc.dtype_id)
+def test_float8_output(name, dtype):
+    """The tier's draws of each variant, with a drawn float8 format, granularity, power-of-two scales, row path
+    (fused or looped) and, on a GPU, float8 conversion (the hardware's or kp's integer one)."""
+    kc.skip_if_not_covered(dtype)
+
+    @settings(max_examples=max(3, EXAMPLES[name] // 2))
+    @given(
+        **case,
+        granularity=st.sampled_from(["tensorwise", "rowwise"]),
+        fp8=st.sampled_from(FP8),
+        power_of_2=st.booleans(),
+        looped=st.booleans(),
+        soft=st.sampled_from([None] if kc.interpreting() else [None, True]),
+        with_grads=st.booleans(),
+    )
+    def run(shape, family, layout, affine, eps, scale, seed, granularity, fp8, power_of_2, looped, soft, with_grads):
+        c = make_case(VARIANTS[name], shape[0], dtype, layout, affine, eps, scale, seed, family=family)
+        check_float8(name, c, granularity, fp8, power_of_2, looped, soft, with_grads)
+
+    run()
+
+
+def exact_rows(n_rows: int, n: int, fp8) -> Case:
+    """Rows of +-2**j (mean 0, rms 2**j) and a weight of values the float8 format holds, eps 0: every output,
+    scaled by a power of two, is a float8 value, so any correct rounding of it is exact."""
+    j = torch.arange(n_rows, dtype=torch.float64)[:, None] - n_rows // 2
+    signs = torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(n // 2)
+    x = (torch.exp2(j) * signs).float().to(DEVICE)
+    w = torch.tensor([0.5, 1.0, 1.5, -2.0, 3.0, -0.75, 1.75, 0.25], dtype=torch.float32).repeat(n // 8).to(DEVICE)
+    return Case(x, None, w, None, 0.0)
+
+
+@pytest.mark.conformance(kernel="rms_norm", prop="float8_output")
+@pytest.mark.parametrize("fp8", FP8, ids=kc.dtype_id)
+def test_float8_conversions_agree(fp8):
+    """Both float8 conversions (the hardware's, kp's integer one) in the fused and looped paths, tensorwise and
+    rowwise, on outputs every correct rounding gets exact (under the interpreter too, whose own float8 rounding
+    is not torch's); power-of-two scales off with the default conversion, on any input."""
+    for name in ("rms_norm", "layer_norm"):
+        c = exact_rows(6, 64, fp8)
+        for granularity in ("tensorwise", "rowwise"):
+            for looped in (False, True):
+                for soft in (False, True):
+                    check_float8(name, c, granularity, fp8, True, looped, soft)
+                check_float8(
+                    name,
+                    make_case(VARIANTS[name], (6, 64), torch.float32, "contiguous", True, 1e-5, 1.0, 9),
+                    granularity,
+                    fp8,
+                    False,
+                    looped,
+                )
+
+
+@pytest.mark.conformance(kernel="rms_norm", prop="opcheck")
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_opcheck_float8(granularity):
+    x = kc.make_input((37, 128), torch.float32, DEVICE, "contiguous", seed=3).requires_grad_()
+    w = kc.make_input((128,), torch.float32, DEVICE, "contiguous", seed=4).requires_grad_()
+    args = (x, None, w, None, 1e-5, True, 0.0, False, 0, True, torch.float8_e4m3fn, granularity == "rowwise", False)
+    with kp_core.record_launches() as rec:
+        torch.library.opcheck(norm_mod.NORM_FLOAT8.op, args)
+    kc.assert_kernel_ran(rec, FP8_FWD, FP8_BWD)
+
+
+@pytest.mark.conformance(kernel="rms_norm", prop="compile")
+def test_compile_float8_equals_eager():
+    torch._dynamo.reset()
+
+    def f(x, w):
+        out = kp_norms.norm_float8(x * 2, w, None, 1e-6, granularity="rowwise")
+        return out.output, out.data.float() * out.scale
+
+    compiled = torch.compile(f, fullgraph=True)
+    x = kc.make_input((4, 9, 64), torch.float32, DEVICE, "contiguous", seed=1)
+    w = kc.make_input((64,), torch.float32, DEVICE, "contiguous", seed=2)
+    results = []
+    for fn in (f, compiled):
+        with kp_core.record_launches() as rec:
+            results.append(fn(x, w))
+        kc.assert_kernel_ran(rec, FP8_FWD)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_reference_is_independent():

@@ -35,3 +35,25 @@ class FixedTimer:
         if layer == "(whole step)":
             return self.step.get(candidate, self.step.get("kp", 1.0))
         return self.layers.get((layer, candidate), self.layers.get(("*", candidate), 1.0))
+
+
+class FanOut(nn.Module):
+    """A norm whose output three linears read (as an attention block's q, k and v projections)."""
+
+    def __init__(self, dim: int = 64, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        f = {"dtype": dtype, "device": device}
+        self.norm = nn.RMSNorm(dim, eps=1e-6, **f)
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False, **f) for _ in range(3))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.q(h) * self.k(h) + self.v(h)
+
+
+def fan_out(device: str, seed: int = 0, dtype=torch.float32) -> tuple[FanOut, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = FanOut(dtype=dtype, device=device)
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+    return model, torch.randn(2, 8, 64, device=device, dtype=dtype)

@@ -1,11 +1,13 @@
 """kp-norms: normalisation kernels in Triton with torch.nn.functional's signatures."""
 
 from kp_norms.functional import (
+    NormFloat8,
     add_layer_norm,
     add_rms_norm,
     geglu,
     geglu_packed,
     layer_norm,
+    norm_float8,
     rms_norm,
     swiglu,
     swiglu_packed,
@@ -18,12 +20,14 @@ __version__ = "0.2.0"
 __all__ = [
     "GatedMLP",
     "LayerNorm",
+    "NormFloat8",
     "RMSNorm",
     "add_layer_norm",
     "add_rms_norm",
     "geglu",
     "geglu_packed",
     "layer_norm",
+    "norm_float8",
     "patch",
     "rms_norm",
     "swiglu",

@@ -1,17 +1,20 @@
 """kp-norms' public functions: torch.nn.functional's signatures, argument checks, then the declared ops.
 
-Norms run kp::norm (kp_norms.ops.norm); gated activations run kp::glu / kp::glu_packed (kp_norms.ops.glu).
+Norms run kp::norm (kp_norms.ops.norm), and kp::norm_float8 when their output is also wanted in float8; gated
+activations run kp::glu / kp::glu_packed (kp_norms.ops.glu).
 """
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 import kp_core
 from kp_core.activation import Activation, by_name
+from kp_core.float8 import FP8_DTYPES
 from kp_norms.ops.glu import GLU, GLU_PACKED
-from kp_norms.ops.norm import ADD_NORM_, DTYPES, NORM
+from kp_norms.ops.norm import ADD_NORM_, DTYPES, NORM, NORM_FLOAT8
+from kp_norms.ops.norm import FP8_DTYPES as FP8_INPUT_DTYPES
 
 CASTINGS = {"torch": False, "gemma": False, "llama": True}  # name -> whether n is rounded before the weight
 ACTIVATIONS = (None, "silu", "gelu", "gelu_tanh")  # the names a norm's `activation` takes
@@ -227,6 +230,96 @@ def add_layer_norm(
     act = int(by_name(name, activation, ACTIVATIONS))
     eps = _layer_eps(name, eps)
     return _norm(input, residual, n_shape, weight, bias, eps, False, 0.0, False, act, bool(in_place))
+
+
+class NormFloat8(NamedTuple):
+    """norm_float8's result: `output` (the norm's, as the norm functions return it), `sum` (input + residual, None
+    without a residual), and the output cast to float8: `data` (the output's shape), `scale` and `amax` (float32;
+    rowwise: (*lead, 1), one per row; tensorwise: 0-d), with output ~ data * scale."""
+
+    output: torch.Tensor
+    sum: Optional[torch.Tensor]
+    data: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+
+
+GRANULARITIES = ("tensorwise", "rowwise")
+
+
+def norm_float8(
+    input: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    eps: Optional[float] = None,
+    *,
+    kind: str = "rms",
+    residual: Optional[torch.Tensor] = None,
+    offset: float = 0.0,
+    casting: str = "torch",
+    activation: Optional[str] = None,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: str = "tensorwise",
+    power_of_2: bool = False,
+) -> NormFloat8:
+    """A norm over the last dim (kind 'rms': rms_norm, or add_rms_norm with a residual; 'layer': layer_norm /
+    add_layer_norm, with their arguments) whose output also comes cast to float8, for a float8 matmul that reads
+    it next: per row or per tensor (`granularity`), as kp_precision.quantize casts (the scale from the amax,
+    floored to a power of two with power_of_2; saturating, round to nearest-even), bit for bit. The cast is
+    made from the rounded output inside the norm's kernel (rowwise: in the same launch); the output is never
+    read back for its amax. Gradients flow through `output` and `sum` as through the norm functions; the float8
+    copy has none. float16, bfloat16 and float32 inputs."""
+    name = "kp_norms.norm_float8"
+    if kind not in ("rms", "layer"):
+        raise ValueError(f"{name}: kind must be 'rms' or 'layer', got {kind!r}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"{name}: granularity must be 'tensorwise' or 'rowwise', got {granularity!r}")
+    if float8_dtype not in FP8_DTYPES:
+        raise TypeError(f"{name}: float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {float8_dtype}")
+    if not isinstance(power_of_2, bool):
+        raise TypeError(f"{name}: power_of_2 must be a bool, got {power_of_2!r}")
+    kp_core.check_tensor(name, "input", input, dtypes=FP8_INPUT_DTYPES, min_ndim=1)
+    n_shape = _check(name, input, None, weight, bias, eps, residual)
+    rms = kind == "rms"
+    if rms:
+        if bias is not None:
+            raise ValueError(f"{name}: bias is for kind='layer', got a bias with kind='rms'")
+        offset, round_n, act = _rms_variant(name, weight, offset, casting, activation)
+        eps = _rms_eps(eps, input.dtype)
+    else:
+        if offset != 0.0 or casting != "torch":
+            raise ValueError(
+                f"{name}: offset and casting are for kind='rms', got offset={offset!r}, casting={casting!r}"
+            )
+        round_n, act, eps = False, int(by_name(name, activation, ACTIVATIONS)), _layer_eps(name, eps)
+    n = n_shape[0]
+    rows = math.prod(input.shape[:-1])
+    r2 = None if residual is None else residual.reshape(rows, n)
+    rowwise = granularity == "rowwise"
+    grad = _needs_grad(input, residual, weight, bias)
+    y, s, _, _, data, scale, amax = NORM_FLOAT8(
+        input.reshape(rows, n),
+        r2,
+        weight,
+        bias,
+        eps,
+        rms,
+        offset,
+        round_n,
+        act,
+        grad,
+        float8_dtype,
+        rowwise,
+        power_of_2,
+    )
+    shape = (*input.shape[:-1], 1) if rowwise else ()
+    return NormFloat8(
+        y.view(input.shape),
+        None if residual is None else s.view(input.shape),
+        data.view(float8_dtype).view(input.shape),
+        scale.view(shape),
+        amax.view(shape),
+    )
 
 
 # ---- gated activations ----

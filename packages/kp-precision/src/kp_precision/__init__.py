@@ -4,7 +4,7 @@ fused linear + activation in Triton.
 The public API is this module's __all__. The modules, each importing only from those below it:
 
     public      functional      functions on tensors: user-facing checks, then the ops
-                float8, mx      Float8Tensor, MXTensor (what quantize / mx_quantize return)
+                float8, mx      Float8Tensor, MXTensor (what quantize / mx_quantize return), attach_float8
     layers      training        Float8Linear: float8 forward and backward, per recipe
                 inference       Float8InferenceLinear
                 qat             QATLinear, QuantizedLinear
@@ -20,7 +20,7 @@ The public API is this module's __all__. The modules, each importing only from t
 
 from kp_precision.auto import auto_filter
 from kp_precision.convert import convert, convert_to_float8_inference, convert_to_float8_training, prepare_qat
-from kp_precision.float8 import Float8Tensor
+from kp_precision.float8 import Float8Tensor, attach_float8
 from kp_precision.fsdp import Float8AllGatherWeight, Float8GatheredWeight, precompute_float8_scales
 from kp_precision.functional import (
     dequantize,
@@ -52,6 +52,7 @@ __all__ = [
     "MXTensor",
     "QATLinear",
     "QuantizedLinear",
+    "attach_float8",
     "auto_filter",
     "convert",
     "convert_to_float8_inference",

@@ -1,9 +1,14 @@
 """Float8Tensor: float8 data with the float32 scales that dequantise it, as a NamedTuple, so torch.compile traces
-it like any tuple of tensors (no tensor subclass, no graph break) and it crosses custom ops and pytrees as is."""
+it like any tuple of tensors (no tensor subclass, no graph break) and it crosses custom ops and pytrees as is.
+
+attach_float8(x, cast) hands a float8 copy of an activation, made where x was made (kp_norms.norm_float8 casts a
+norm's output in the norm's kernel), to the float8 layers that read x next: they take it instead of casting x again.
+"""
 
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kp_precision.ops.quantize import DEQUANTIZE
 
@@ -36,3 +41,40 @@ class Float8Tensor(NamedTuple):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """data * scale as `dtype` (one rounding, from float32)."""
         return DEQUANTIZE(self.data, self.scale, self.block[0], self.block[1], dtype)
+
+
+# x -> (its float8 copy, power_of_2, x._version when attached): entries go when x does.
+_ATTACHED = WeakIdKeyDictionary()
+
+
+def attach_float8(x: torch.Tensor, cast: Float8Tensor, *, power_of_2: bool = False) -> torch.Tensor:
+    """Record `cast` (tensorwise or rowwise, with scales floored to powers of two when power_of_2) as x's float8
+    copy and return x. A Float8Linear or Float8InferenceLinear whose recipe casts its input the same way (the
+    granularity, float8_e4m3fn, power_of_2; dynamic scaling) then uses it instead of casting x. It must be what
+    kp_precision.quantize(x, ...) gives, bit for bit: the layer does not check the values. The record lapses when x
+    is modified in place or freed; eager mode only (under torch.compile the layers cast, and inductor fuses it)."""
+    name = "kp_precision.attach_float8"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a tensor, got {type(x).__name__}")
+    if not isinstance(cast, Float8Tensor) or tuple(cast.block) not in GRANULARITIES:
+        raise TypeError(f"{name}: cast must be a tensorwise or rowwise Float8Tensor, got {cast!r:.80}")
+    if cast.data.shape != x.shape:
+        raise ValueError(f"{name}: cast's data must have x's shape {tuple(x.shape)}, got {tuple(cast.data.shape)}")
+    _ATTACHED[x] = (cast, bool(power_of_2), x._version)
+    return x
+
+
+def attached_float8(x: torch.Tensor, block: tuple, dtype: torch.dtype, power_of_2: bool) -> Float8Tensor | None:
+    """x's attached float8 copy as (M, K) rows (scale (M, 1) rowwise) if it was cast as asked, else None."""
+    if torch.compiler.is_compiling():
+        return None
+    entry = _ATTACHED.get(x)
+    if entry is None:
+        return None
+    cast, pow2, version = entry
+    if x._version != version or tuple(cast.block) != block or cast.data.dtype != dtype or pow2 != power_of_2:
+        return None
+    k = x.shape[-1]
+    scale = cast.scale if block == (0, 0) else cast.scale.reshape(-1, 1)
+    amax = cast.amax if block == (0, 0) else cast.amax.reshape(-1, 1)
+    return Float8Tensor(cast.data.reshape(-1, k), scale, amax, cast.block)

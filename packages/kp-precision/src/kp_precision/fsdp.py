@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 import kp_core
+from kp_core.float8 import multiplier, saturating_cast
 from kp_precision.float8 import Float8Tensor
-from kp_precision.ops.quantize import multiplier, saturating_cast
 
 E4M3 = torch.float8_e4m3fn
 aten = torch.ops.aten

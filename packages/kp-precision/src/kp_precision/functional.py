@@ -7,13 +7,14 @@ import torch
 
 import kp_core
 from kp_core.activation import by_name
+from kp_core.float8 import FP8_DTYPES
 from kp_precision.float8 import Float8Tensor
 from kp_precision.mx import MXTensor
 from kp_precision.ops import fake_quantize as fq
 from kp_precision.ops import linear_activation as la
 from kp_precision.ops import mx
 from kp_precision.ops import scaled_mm as mm
-from kp_precision.ops.quantize import DTYPES, FP8_DTYPES, scale_shape
+from kp_precision.ops.quantize import DTYPES, scale_shape
 from kp_precision.shared import ALIGN, cast
 
 _NAME = "kp_precision.quantize"

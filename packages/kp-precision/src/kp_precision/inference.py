@@ -96,7 +96,7 @@ class Float8InferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input("Float8InferenceLinear", x, self.in_features)
         x2 = x.reshape(-1, self.in_features)
-        qx = self._recipe.cast(x2, E4M3)
+        qx = self._recipe.attached(x) or self._recipe.cast(x2, E4M3)  # a float8 copy made with x, or a cast
         bias = self.bias
         if bias is not None and bias.dtype not in (torch.float32, x.dtype):
             bias = bias.float()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kp_precision.float8 import attached_float8
 from kp_precision.fsdp import Float8GatheredWeight
 from kp_precision.shared import E4M3, E5M2, cast, column_major, matmul, transpose
 
@@ -80,9 +81,17 @@ class Recipe(ABC):
     def cast(self, t: torch.Tensor, fp8: torch.dtype, *, weight: bool = False):
         """t (2-D) quantised along its last dim, as the recipe casts an activation or gradient (or a weight)."""
 
-    def operands(self, x2, weight, histories, first):
-        """(qx, qw): the forward's float8 operands (histories: delayed scaling's, tensorwise only)."""
-        return self.cast(x2, E4M3), self.cast(weight, E4M3, weight=True)
+    block = (1, 128)  # how cast() cuts an activation
+
+    def attached(self, x):
+        """The float8 copy attached to the layer's input x (attach_float8) as (M, K) rows, when it was cast as
+        this recipe casts an activation (dynamic scaling); else None."""
+        return attached_float8(x, self.block, E4M3, self.pow2)
+
+    def operands(self, x2, weight, histories, first, pre=None):
+        """(qx, qw): the forward's float8 operands (histories: delayed scaling's, tensorwise only; pre: x2's
+        attached float8 copy, or None)."""
+        return pre or self.cast(x2, E4M3), self.cast(weight, E4M3, weight=True)
 
     @abstractmethod
     def keep(self, x2, weight, qx, qw, history_grad) -> tuple:
@@ -107,6 +116,8 @@ class Tensorwise(Recipe):
     """One scale per tensor; the float8 data of w and x is transposed for the backward, not cast again. Delayed
     scaling and the float8 all-gather's weight are this recipe's only."""
 
+    block = (0, 0)
+
     def cast(self, t, fp8, *, weight=False, scale=None):
         return cast(t, fp8, (0, 0), self.pow2 and scale is None, scale)
 
@@ -122,12 +133,12 @@ class Tensorwise(Recipe):
                 history.copy_(torch.cat([q.amax.reshape(1).float(), history[:-1]]))
         return q
 
-    def operands(self, x2, weight, histories, first):
+    def operands(self, x2, weight, histories, first, pre=None):
         if histories is not None:
             return self.delayed_cast(x2, E4M3, histories[0], first), self.delayed_cast(
                 weight, E4M3, histories[1], first
             )
-        qx = self.cast(x2, E4M3)
+        qx = pre or self.cast(x2, E4M3)
         # a weight FSDP2 all-gathered in float8 comes with its scale
         return qx, weight.float8() if isinstance(weight, Float8GatheredWeight) else self.cast(weight, E4M3)
 
@@ -145,6 +156,8 @@ class Tensorwise(Recipe):
 class Rowwise(Recipe):
     """One scale per row of the contraction; the backward casts w, x and gy again along their other dimension,
     so the forward keeps the 16-bit originals."""
+
+    block = (1, 0)
 
     def cast(self, t, fp8, *, weight=False):
         return cast(t, fp8, (1, 0), self.pow2)

@@ -25,6 +25,9 @@ maximum / FP8_MAX, the cast is one pass, and the amax the cast returns is pushed
 call fills the history from the current amaxes (dynamic scaling once). The histories are buffers outside the
 state_dict, so a Float8Linear's state_dict is an nn.Linear's; after a load the histories start again.
 
+An input with a float8 copy attached (kp_precision.attach_float8: a norm that cast its output in its own kernel)
+is not cast again when the copy is this recipe's cast (dynamic scaling, rows a multiple of 16).
+
 Rows of x are padded to a multiple of 16 (shared.ALIGN) only where the float8 matmul needs it (M is the
 contraction of the weight gradient); in_features and out_features must be multiples of 16
 (convert_to_float8_training skips the layers that are not, and says which).
@@ -44,9 +47,9 @@ class _Float8Matmul(torch.autograd.Function):
     ALIGN); the histories are delayed scaling's (x, w, gy), or None."""
 
     @staticmethod
-    def forward(ctx, x2, weight, bias, recipe, histories, first):
+    def forward(ctx, x2, weight, bias, recipe, histories, first, pre):
         weight = high_precision(weight)
-        qx, qw = recipe.operands(x2, weight, histories, first)
+        qx, qw = recipe.operands(x2, weight, histories, first, pre)
         y = matmul(qx.data, qw.data.t(), qx.scale, scale_t(qw.scale), x2.dtype, bias=bias, fast_accum=recipe.fast_accum)
         # Only what the backward reads stays alive (the recipe says what: the 16-bit input only where it is cast
         # again along M)
@@ -64,7 +67,7 @@ class _Float8Matmul(torch.autograd.Function):
         gy = gy.contiguous()
         gx, gw = ctx.recipe.backward(gy, ctx.saved_tensors, ctx.first, dtype)
         gb = None if b_dtype is None else gy.sum(0, dtype=torch.float32).to(b_dtype)
-        return gx, gw.to(w_dtype), gb, None, None, None
+        return gx, gw.to(w_dtype), gb, None, None, None, None
 
 
 def _all_gather_weight(weight: nn.Parameter, config: Float8Config) -> nn.Parameter:
@@ -115,8 +118,11 @@ class Float8Linear(nn.Linear):
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
+        pre = None
         if m % ALIGN:  # M is the weight gradient's contraction: float8 matmuls take multiples of ALIGN
             x2 = F.pad(x2, (0, 0, 0, -m % ALIGN))
+        elif self.config.scaling == "dynamic":
+            pre = self._recipe.attached(x)
         bias = self.bias
         if bias is not None and bias.dtype not in (torch.float32, x.dtype):
             bias = bias.float()
@@ -124,7 +130,7 @@ class Float8Linear(nn.Linear):
         if self.config.scaling == "delayed":
             histories = (self.amax_history_x, self.amax_history_w, self.amax_history_grad)
             first, self._history_filled = not self._history_filled, True
-        y = _Float8Matmul.apply(x2, weight, bias, self._recipe, histories, first)
+        y = _Float8Matmul.apply(x2, weight, bias, self._recipe, histories, first, pre)
         if x2.shape[0] == m and x.dim() == 2:
             return y
         # Unpadded and reshaped as torch.matmul does (_unsafe_view): not a view, as nn.Linear's output is not, so

@@ -2,7 +2,8 @@
 float64 copy of that layer (the user's weights, the layer's own inputs from the example batch) and timed against
 PyTorch's own; the fastest checked one replaces the layer when it is faster by `min_speedup`. Then the whole step
 is timed with and without the replacements, and replacements are undone, least useful first, until the step is not
-slower than PyTorch's."""
+slower than PyTorch's. Between the two, fusions across packages (kp.fusions) join a chosen kp norm to the float8
+layers that read its output, where that is bit for bit the same and faster."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 
 import kp_attention
 from kp import cache as disk
+from kp import fusions
 from kp.candidates import ATTENTION, Candidate, candidates, kind_of
 from kp.env import environment
 from kp.measure import Inputs, Timer, default_timer, floats, step, trainable, upstream
@@ -282,8 +284,10 @@ def optimize(
     env = environment()
     result = Report(mode, env)
     cached = disk.load() if cache else {}
-    fresh, swaps, attention = {}, [], []
+    fresh, swaps, attention, norm_inputs = {}, [], [], {}
     for site, cands in _sites(model, example_inputs, mode, allow, deny):
+        if site.kind in ("rms_norm", "layer_norm") and site.args:
+            norm_inputs[site.name] = site.args[0]
         key = disk.key(env, mode, site.signature(), [c.name for c in cands])
         layer, passed, times = _layer(
             site, cands, mode, timer, cached.get(key, {}), loss_budget, min_speedup, check_rows
@@ -298,6 +302,8 @@ def optimize(
             swaps.append(_module_swap(site, passed[layer.choice], gain))
     if attention:
         swaps += _attention(attention, min_speedup)
+    if swaps and _allowed_name("fusion", allow, deny):
+        swaps += _fusions(model, example_inputs, swaps, norm_inputs, timer, min_speedup, result)
     if cache and fresh:
         disk.store(fresh)
     if swaps:
@@ -306,6 +312,51 @@ def optimize(
     if report:
         print(result.text())
     return result
+
+
+def _allowed_name(name: str, allow, deny) -> bool:
+    if deny and any(fnmatch(name, p) for p in deny):
+        return False
+    return allow is None or any(fnmatch(name, p) for p in allow)
+
+
+FUSION = "norm + float8 cast"
+
+
+def _fusions(model, example_inputs, swaps, norm_inputs, timer, min_speedup, result) -> list[Swap]:
+    """With the chosen swaps in place, each kp norm that only float8 layers of one recipe read is checked fused
+    (kp.fusions.check: bit for bit) and timed against the norm plus the casts its readers make; the fused one is
+    kept when faster by min_speedup. Its row in the report is "<norm> -> float8"."""
+    _apply(model, swaps)
+    try:
+        found = fusions.readers(model, example_inputs)
+    finally:
+        restore(model)
+    out = []
+    for f in found:
+        x = norm_inputs.get(f.norm)
+        if x is None:
+            continue
+        name = f"{f.norm} -> float8"
+        unfused_label = f"norm + {len(f.readers)} float8 {f.granularity} casts"
+        refused = fusions.check(f, x)
+        if refused is not None:
+            tried = [Tried(FUSION, "refused", error=refused)]
+            result.layers.append(Layer(name, "fusion", None, tried, "torch", f"kept the norm alone: {refused}"))
+            continue
+        fused = fusions.Float8Norm(f.module, f.granularity, f.power_of_2)
+        unfused_ms = timer(name, unfused_label, fusions.unfused_run(f, x))
+        fused_ms = timer(name, FUSION, fusions.fused_run(fused, x))
+        speedup = unfused_ms / fused_ms
+        readers = ", ".join(r.rpartition(".")[2] for r in f.readers)
+        tried = [Tried(FUSION, "slower", fused_ms, note=f"read by {readers}")]
+        choice, why = "torch", f"{FUSION} {speedup:.2f}x, below {min_speedup:.2f}x: kept the norm and the casts"
+        if speedup >= min_speedup:
+            tried[0].status, choice, why = "chosen", FUSION, f"{FUSION} {speedup:.2f}x the norm and its readers' casts"
+            swap = _module_swap(Site(f.norm, f.module, "fusion"), fused, unfused_ms - fused_ms)
+            out.append(dataclasses.replace(swap, name=name, depth=swap.depth + 0.5))  # after the norm's own swap
+        result.layers.append(Layer(name, "fusion", unfused_ms, tried, choice, why))
+    return out
 
 
 def _attention(layers: list[Layer], min_speedup: float) -> list[Swap]:

@@ -66,10 +66,15 @@ def capture(model: nn.Module, example_inputs: tuple, kinds: dict[str, str]) -> l
     for name, module in model.named_modules():
         if name in kinds:
             hooks.append(module.register_forward_pre_hook(hook_for(name, kinds[name]), with_kwargs=True))
+    run_hooked(model, example_inputs, hooks)
+    return [sites[name] for name in kinds if name in sites]
+
+
+def run_hooked(model: nn.Module, example_inputs: tuple, hooks: list) -> None:
+    """One forward pass without gradients, then the hooks (handles) removed, whatever happened."""
     try:
         with torch.no_grad():
             model(*example_inputs)
     finally:
         for h in hooks:
             h.remove()
-    return [sites[name] for name in kinds if name in sites]

@@ -32,7 +32,7 @@ from typing import NamedTuple, Optional
 import torch
 
 import kp_core
-from kp_core import activation
+from kp_core import activation, float8
 
 if kp_core.has_triton():
     import triton.language as tl
@@ -42,6 +42,10 @@ if kp_core.has_triton():
 OP = "kp::norm"
 OP_BWD = f"{OP}_backward"
 OP_INPLACE = "kp::add_norm_"
+OP_FP8 = "kp::norm_float8"
+OP_FP8_BWD = f"{OP_FP8}_backward"
+FP8_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the inputs a float8 output is made from
+CAST_BLOCK_N = 2048  # columns per step of _cast_float8
 PACKAGE = "kp-norms"
 SPEC = "norm"
 DTYPES = kp_core.FLOAT_DTYPES
@@ -113,6 +117,18 @@ def _reference_norm(s, weight, bias, eps, rms, offset, round_n, act):
     return y, mean, rstd
 
 
+def _reference_cast(y, fp8, rowwise, power_of_2):
+    """(data, scale, amax) of y (2-D) cast to float8 per row (scale and amax (M,)) or per tensor (0-d)."""
+    yf = y.float()
+    if yf.numel() == 0:  # every block empty: amax 0
+        amax = yf.new_zeros((yf.shape[0],) if rowwise else ())
+    else:
+        amax = yf.abs().amax(dim=1) if rowwise else yf.abs().amax()
+    q = float8.multiplier(amax, fp8, power_of_2)
+    data = float8.saturating_cast(yf, q[:, None] if rowwise else q, fp8)
+    return data, torch.ones_like(q) / q, amax
+
+
 def _reference_backward(dy, ds, s, weight, bias, eps, rms, offset, round_n, act):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() if t is not None else None for t in (s, weight, bias)]
@@ -136,9 +152,11 @@ def _generation() -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _forward_plan(dtype, n, rms, has_r, has_w, has_b, offset, round_n, act, stats, generation):
-    """(kernel, rows per program (0: looped), constexprs, num_warps) of the forward."""
+def _forward_plan(dtype, n, rms, has_r, has_w, has_b, offset, round_n, act, stats, fp8, generation):
+    """(kernel, rows per program (0: looped), constexprs, num_warps) of the forward; fp8: None or (mode, float8
+    dtype, power_of_2, soft) of the float8 copy (kernels.ROW or TENSOR)."""
     cfg = _tiles_for("_norm_fwd", n, dtype.itemsize, generation)
+    mode, dtype8, pow2, soft = fp8 or (0, torch.float8_e4m3fn, False, False)
     switches = dict(
         RMS=rms,
         HAS_R=has_r,
@@ -149,11 +167,21 @@ def _forward_plan(dtype, n, rms, has_r, has_w, has_b, offset, round_n, act, stat
         ACT=act,
         STATS=stats,
         ACC=_tl_acc(dtype),
+        FP8=mode,
     )
     if cfg.looped:
         return kernels._norm_fwd_looped, 0, kp_core.Constexprs(BLOCK_N=cfg.block_cols, **switches), cfg.num_warps
-    consts = kp_core.Constexprs(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches)
+    cast = dict(FP8_MAX=float8.fp8_max(dtype8), FP8_EPS=float8.EPS, E5M2=dtype8 == torch.float8_e5m2, SOFT=soft)
+    consts = kp_core.Constexprs(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches, **cast, POW2=pow2)
     return kernels._norm_fwd, cfg.block_rows, consts, cfg.num_warps
+
+
+@functools.lru_cache(maxsize=256)
+def _cast_plan(n, rowwise, dtype8, pow2, soft):
+    """(constexprs, num_warps) of _cast_float8."""
+    block_n = min(CAST_BLOCK_N, kp_core.next_power_of_2(n))
+    cast = dict(FP8_MAX=float8.fp8_max(dtype8), FP8_EPS=float8.EPS, E5M2=dtype8 == torch.float8_e5m2, SOFT=soft)
+    return kp_core.Constexprs(BLOCK_N=block_n, ROWWISE=rowwise, **cast, POW2=pow2), 4 if block_n <= 1024 else 8
 
 
 class BackwardPlan(NamedTuple):
@@ -205,9 +233,10 @@ def _backward_plan(dtype, w_dtype, b_dtype, n, rms, has_ds, offset, round_n, act
     return BackwardPlan(cfg, slots, n_parts, buffers, kahan, acc, consts, sum_consts, (kp_core.cdiv(n, block_n),))
 
 
-def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stats, s_out=None):
-    """(y, s, mean, rstd) for 2-D x; s = x + residual (None without one), written into s_out when given; mean
-    and rstd are None unless stats (mean for LayerNorm only)."""
+def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stats, s_out=None, fp8=None):
+    """(y, s, mean, rstd, cast) for 2-D x; s = x + residual (None without one), written into s_out when given; mean
+    and rstd are None unless stats (mean for LayerNorm only). fp8: None, or (float8 dtype, rowwise, power_of_2)
+    for cast = (data, scale, amax), y cast to float8 (scale and amax (M,) rowwise, 0-d tensorwise); else None."""
     backend = kp_core.choose_backend(op, x)
     has_r = residual is not None
     if backend == kp_core.REFERENCE or x.numel() == 0:
@@ -217,7 +246,8 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
             s_out.copy_(s)
             s = s_out
         y, mean, rstd = _reference_norm(s, weight, bias, eps, rms, offset, round_n, act)
-        return y, (s if has_r else None), mean, rstd
+        cast = None if fp8 is None else _reference_cast(y, *fp8)
+        return y, (s if has_r else None), mean, rstd, cast
     m, n = x.shape
     x = _rows(x)
     y = x.new_empty((m, n), dtype=out_dtype(x, weight, round_n))
@@ -231,8 +261,18 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
         mean = rstd if rms else x.new_empty((m,), dtype=rstd.dtype)
     else:
         mean = rstd = y  # never written
+    plan8 = cast = None
+    q = q_bits = q_scale = q_amax = y  # never read or written without fp8
+    if fp8 is not None:
+        dtype8, rowwise, pow2 = fp8
+        soft = float8.soft_float8(backend)
+        plan8 = (kernels.ROW.value if rowwise else kernels.TENSOR.value, dtype8, pow2, soft)
+        q = torch.empty((m, n), dtype=dtype8, device=x.device)
+        q_bits = q.view(torch.uint8) if soft else q
+        q_scale = torch.empty((m,) if rowwise else (), dtype=torch.float32, device=x.device)
+        q_amax = torch.zeros((m,) if rowwise else (), dtype=torch.int32, device=x.device)  # float32 bits
     kernel, block_rows, consts, num_warps = _forward_plan(
-        x.dtype, n, rms, has_r, weight is not None, bias is not None, offset, round_n, act, stats, _generation()
+        x.dtype, n, rms, has_r, weight is not None, bias is not None, offset, round_n, act, stats, plan8, _generation()
     )
     args = (
         x,
@@ -248,14 +288,22 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
         mean,
         rstd,
     )
+    eps_args = split_eps(eps)
     if block_rows == 0:  # looped: one program per row
-        kp_core.launch(op, backend, kernel, (m,), (*args, n, *split_eps(eps)), consts, num_warps)
+        kp_core.launch(op, backend, kernel, (m,), (*args, q_amax, n, *eps_args), consts, num_warps)
     else:
         grid = (kp_core.cdiv(m, block_rows),)
-        kp_core.launch(op, backend, kernel, grid, (*args, m, n, *split_eps(eps)), consts, num_warps)
+        q_args = (q_bits, q_bits.stride(0) if q_bits.dim() == 2 else 0, q_scale, q_amax)
+        kp_core.launch(op, backend, kernel, grid, (*args, *q_args, m, n, *eps_args), consts, num_warps)
+    if fp8 is not None:
+        if block_rows == 0 or not rowwise:  # the cast from the amax the norm kernel left
+            cast_consts, cast_warps = _cast_plan(n, rowwise, dtype8, pow2, soft)
+            cast_args = (y, y.stride(0), q_bits, q_bits.stride(0), q_scale, q_amax, n)
+            kp_core.launch(op, backend, kernels._cast_float8, (m,), cast_args, cast_consts, cast_warps)
+        cast = (q, q_scale, q_amax.view(torch.float32))
     if not stats:
-        return y, (s if has_r else None), None, None
-    return y, (s if has_r else None), (None if rms else mean), rstd
+        return y, (s if has_r else None), None, None, cast
+    return y, (s if has_r else None), (None if rms else mean), rstd, cast
 
 
 def forward(
@@ -271,7 +319,32 @@ def forward(
     stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, s, mean, rstd): s = x + residual (None without one); mean (LayerNorm) and rstd only with stats."""
-    return _forward(OP, x, residual, weight, bias, eps, rms, offset, round_n, act, stats)
+    return _forward(OP, x, residual, weight, bias, eps, rms, offset, round_n, act, stats)[:4]
+
+
+def forward_float8(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+    rms: bool,
+    offset: float,
+    round_n: bool,
+    act: int,
+    stats: bool,
+    fp8: torch.dtype,
+    rowwise: bool,
+    power_of_2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """forward's (y, s, mean, rstd), then y cast to float8 as (data, scale, amax): data as uint8 (the float8 bytes:
+    the caller views it as fp8), scale and amax (M,) per row when rowwise, 0-d for the tensor."""
+    cast = (fp8, rowwise, power_of_2)
+    y, s, mean, rstd, (data, scale, amax) = _forward(
+        OP_FP8, x, residual, weight, bias, eps, rms, offset, round_n, act, stats, fp8=cast
+    )
+    # float8 as its bytes: autograd and opcheck take a float8 output for a differentiable one
+    return y, s, mean, rstd, data.view(torch.uint8), scale, amax
 
 
 def backward(
@@ -291,13 +364,39 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db) for 2-D x (the normalised input: s when there was a residual); ds, the gradient that reached
     s directly, is added to dx. dw/db are None when there is no weight/bias."""
+    return _backward(OP_BWD, dy, ds, x, weight, bias, mean, rstd, eps, rms, offset, round_n, act)
+
+
+def backward_float8(
+    dy: Optional[torch.Tensor],
+    ds: Optional[torch.Tensor],
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    rms: bool,
+    offset: float,
+    round_n: bool,
+    act: int,
+    stats: bool,
+    fp8: torch.dtype,
+    rowwise: bool,
+    power_of_2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """backward, for kp::norm_float8 (the float8 copy is not differentiable)."""
+    return _backward(OP_FP8_BWD, dy, ds, x, weight, bias, mean, rstd, eps, rms, offset, round_n, act)
+
+
+def _backward(op, dy, ds, x, weight, bias, mean, rstd, eps, rms, offset, round_n, act):
     if ds is not None and ds.numel() == 0:  # no residual: the empty s output's (materialised) gradient
         ds = None
     if dy is None:  # only s was used
         dy = x.new_zeros(x.shape, dtype=out_dtype(x, weight, round_n))
-    backend = kp_core.choose_backend(OP_BWD, x)
+    backend = kp_core.choose_backend(op, x)
     if backend == kp_core.REFERENCE or x.numel() == 0:
-        kp_core.reference(OP_BWD)
+        kp_core.reference(op)
         return _reference_backward(dy, ds, x, weight, bias, eps, rms, offset, round_n, act)
     m, n = x.shape
     x, dy = _rows(x), _rows(dy)
@@ -344,12 +443,12 @@ def backward(
         kernel, args = kernels._norm_bwd_looped, (*args, *comps, m, n, rows_per_program)
     else:
         kernel, args = kernels._norm_bwd, (*args, m, n, rows_per_program)
-    kp_core.launch(OP_BWD, backend, kernel, (programs,), args, plan.consts, plan.cfg.num_warps)
+    kp_core.launch(op, backend, kernel, (programs,), args, plan.consts, plan.cfg.num_warps)
     dw = weight.new_empty(weight.shape) if has_w else None
     db = bias.new_empty(bias.shape) if has_b else None
     if has_w or has_b:
         sum_args = (dw_part, db_part, dw if has_w else dx, db if has_b else dx, programs, n)
-        kp_core.launch(OP_BWD, backend, kernels._norm_bwd_sum, plan.sum_grid, sum_args, plan.sum_consts, 4)
+        kp_core.launch(op, backend, kernels._norm_bwd_sum, plan.sum_grid, sum_args, plan.sum_consts, 4)
     return dx, dw, db
 
 
@@ -365,7 +464,7 @@ def add_norm_(
     act: int,
 ) -> torch.Tensor:
     """y, with x + residual written into residual (2-D, unit column stride). No autograd: inference only."""
-    return _forward(OP_INPLACE, x, residual, weight, bias, eps, rms, offset, round_n, act, False, s_out=residual)[0]
+    return _forward(OP_INPLACE, x, residual, weight, bias, eps, rms, offset, round_n, act, False, residual)[0]
 
 
 # ---- declarations ----
@@ -387,7 +486,7 @@ def _backward_fake(dy, ds, x, weight, bias, mean, rstd, eps, rms, offset, round_
 
 def _save(args, outputs):
     x, residual, weight, bias = args[:4]
-    y, s, mean, rstd = outputs
+    y, s, mean, rstd = outputs[:4]
     return (x if residual is None else s), weight, bias, mean, rstd
 
 
@@ -404,6 +503,33 @@ NORM = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
+)
+
+
+def _forward_float8_fake(x, residual, weight, bias, eps, rms, offset, round_n, act, stats, fp8, rowwise, power_of_2):
+    y, s, mean, rstd = _forward_fake(x, residual, weight, bias, eps, rms, offset, round_n, act, stats)
+    shape = (x.shape[0],) if rowwise else ()
+    scale, amax = (x.new_empty(shape, dtype=torch.float32) for _ in range(2))  # two tensors, not one twice
+    return y, s, mean, rstd, x.new_empty(x.shape, dtype=torch.uint8), scale, amax
+
+
+def _backward_float8_fake(dy, ds, x, weight, bias, mean, rstd, eps, rms, offset, round_n, act, stats, *cast):
+    return _backward_fake(dy, ds, x, weight, bias, mean, rstd, eps, rms, offset, round_n, act, stats)
+
+
+NORM_FLOAT8 = kp_core.op(
+    OP_FP8,
+    forward_float8,
+    _forward_float8_fake,
+    backward=backward_float8,
+    backward_fake=_backward_float8_fake,
+    save=_save,
+    grad_inputs=("x", "weight", "bias"),
+    same_grad={"residual": "x"},
+    differentiable_outputs=2,  # y and s; the statistics and the float8 copy are not
+    package=PACKAGE,
+    spec=SPEC,
+    dtypes=FP8_DTYPES,
 )
 
 

@@ -15,6 +15,14 @@ import triton
 import triton.language as tl
 
 from kp_core.activation_kernels import NONE, act_fwd, act_grad
+from kp_core.float8_kernels import abs_bits, multiplier, recip, store_fp8
+
+# FP8: what a forward kernel does for a float8 copy of y. NO_FP8: nothing; ROW: the fused kernel casts each row
+# with its own scale, the looped one leaves the row's amax for _cast_float8; TENSOR: the tensor's amax (an atomic
+# max), for _cast_float8.
+NO_FP8 = tl.constexpr(0)
+ROW = tl.constexpr(1)
+TENSOR = tl.constexpr(2)
 
 
 @triton.jit
@@ -95,6 +103,10 @@ def _norm_fwd(
     B,
     MEAN,
     RSTD,
+    Q,
+    stride_q,
+    QSCALE,
+    QAMAX,
     M,
     N,
     eps_hi,
@@ -110,8 +122,15 @@ def _norm_fwd(
     ACT: tl.constexpr,
     STATS: tl.constexpr,
     ACC: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_EPS: tl.constexpr,
+    E5M2: tl.constexpr,
+    SOFT: tl.constexpr,
+    POW2: tl.constexpr,
 ):
-    """BLOCK_M whole rows held in registers. STATS: store mean and rstd for the backward."""
+    """BLOCK_M whole rows held in registers. STATS: store mean and rstd for the backward. FP8 ROW: also y cast
+    to float8 per row (Q, QSCALE, the amax bits in QAMAX); TENSOR: y's amax bits into QAMAX[0]."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -138,9 +157,21 @@ def _norm_fwd(
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)[None, :] if HAS_W else None
     b = tl.load(B + cols, mask=cols < N, other=0.0).to(ACC)[None, :] if HAS_B else None
     z = _affine(xc * rstd[:, None], w, b, X.dtype.element_ty, OFFSET, ROUND_N, HAS_W, HAS_B, ACC)
-    tl.store(Y + rows64 * stride_y + cols[None, :], act_fwd(z, ACT), mask=mask)
+    y = act_fwd(z, ACT).to(Y.dtype.element_ty)
+    tl.store(Y + rows64 * stride_y + cols[None, :], y, mask=mask)
     if STATS:
         tl.store(RSTD + rows, rstd, mask=row_ok)
+    if FP8 != NO_FP8:  # the cast reads y as stored (rounded), as a cast after the norm would
+        y = y.to(tl.float32)
+        bits = tl.where(mask, abs_bits(y), 0)
+        if FP8 == ROW:
+            amax_bits = tl.max(bits, axis=1)
+            q = multiplier(amax_bits, FP8_MAX, FP8_EPS, POW2)
+            tl.store(QSCALE + rows, recip(q), mask=row_ok)
+            tl.store(QAMAX + rows, amax_bits, mask=row_ok)
+            store_fp8(Q + rows64 * stride_q + cols[None, :], y * q[:, None], mask, FP8_MAX, E5M2, SOFT)
+        else:
+            tl.atomic_max(QAMAX, tl.max(tl.max(bits, axis=1), axis=0))
 
 
 @triton.jit
@@ -157,6 +188,7 @@ def _norm_fwd_looped(
     B,
     MEAN,
     RSTD,
+    QAMAX,
     N,
     eps_hi,
     eps_lo,
@@ -170,9 +202,11 @@ def _norm_fwd_looped(
     ACT: tl.constexpr,
     STATS: tl.constexpr,
     ACC: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One row too wide for registers (one program per row): a pass for the statistics, a pass to normalise.
-    The first pass asks L2 to keep the row, so the second reads it from there.
+    The first pass asks L2 to keep the row, so the second reads it from there. FP8 ROW / TENSOR: the row's amax
+    bits into QAMAX[row] / QAMAX[0] (an atomic max), for _cast_float8.
 
     LayerNorm's mean and variance merge per chunk (Chan et al.): each chunk's centred sum of squares is exact in
     registers, so there is no sum-of-squares cancellation however large the mean."""
@@ -213,6 +247,7 @@ def _norm_fwd_looped(
         tl.store(MEAN + row, mean)
     rstd = _inv_rms(m2, N, eps_hi, eps_lo, ACC)
     src_row = s_row if HAS_R else x_row
+    amax = tl.zeros([BLOCK_N], dtype=tl.int32)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         ok = cols < N
@@ -221,9 +256,50 @@ def _norm_fwd_looped(
         w = tl.load(W + cols, mask=ok, other=0.0).to(ACC) if HAS_W else None
         b = tl.load(B + cols, mask=ok, other=0.0).to(ACC) if HAS_B else None
         z = _affine(xc * rstd, w, b, X.dtype.element_ty, OFFSET, ROUND_N, HAS_W, HAS_B, ACC)
-        tl.store(y_row + cols, act_fwd(z, ACT), mask=ok)
+        y = act_fwd(z, ACT).to(Y.dtype.element_ty)
+        tl.store(y_row + cols, y, mask=ok)
+        if FP8 != NO_FP8:
+            amax = tl.maximum(amax, tl.where(ok, abs_bits(y.to(tl.float32)), 0))
     if STATS:
         tl.store(RSTD + row, rstd)
+    if FP8 == ROW:
+        tl.store(QAMAX + row, tl.max(amax, axis=0))
+    elif FP8 == TENSOR:
+        tl.atomic_max(QAMAX, tl.max(amax, axis=0))
+
+
+@triton.jit
+def _cast_float8(
+    Y,
+    stride_y,
+    Q,
+    stride_q,
+    QSCALE,
+    QAMAX,
+    N,
+    BLOCK_N: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_EPS: tl.constexpr,
+    E5M2: tl.constexpr,
+    SOFT: tl.constexpr,
+    POW2: tl.constexpr,
+):
+    """Row program_id of y cast to float8 with the amax a forward kernel left in QAMAX (int32 bits): the row's
+    own (ROWWISE, its scale at QSCALE[row]) or the tensor's (program 0 writes the one scale)."""
+    row = tl.program_id(0).to(tl.int64)
+    if ROWWISE:
+        q = multiplier(tl.load(QAMAX + row), FP8_MAX, FP8_EPS, POW2)
+        tl.store(QSCALE + row, recip(q))
+    else:
+        q = multiplier(tl.load(QAMAX), FP8_MAX, FP8_EPS, POW2)
+        if row == 0:
+            tl.store(QSCALE, recip(q))
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        y = tl.load(Y + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+        store_fp8(Q + row * stride_q + cols, y * q, ok, FP8_MAX, E5M2, SOFT)
 
 
 @triton.jit

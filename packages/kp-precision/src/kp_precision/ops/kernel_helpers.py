@@ -1,78 +1,12 @@
-"""Triton helpers kp-precision's kernels share: float8 / minifloat bits and their values, and tile indexing.
+"""Triton helpers kp-precision's kernels share: tile indexing (the float8 bit codecs and casts are kp-core's,
+kp_core.float8_kernels, shared with kp-norms' float8 output).
 
 Helpers, not launchable kernels (hence not a `*_kernels` module): quantize_kernels, scaled_mm_kernels, mx_kernels,
-fake_quantize_kernels and linear_activation_kernels call them. The bit codecs are integer arithmetic, exact on
-every backend: Triton's interpreter converts to float8 with its own rounding and decodes NaN and some e5m2
-values wrongly, and nothing converts to float4.
+fake_quantize_kernels and linear_activation_kernels call them.
 """
 
 import triton
 import triton.language as tl
-
-# ---- float8 and smaller floats as bits ----
-
-
-@triton.jit
-def abs_bits(x):
-    """|x| (float32) as int32 bits, ordered as the floats are, NaN above +inf."""
-    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-
-
-@triton.jit
-def minifloat_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr, SIGN: tl.constexpr, NAN: tl.constexpr):
-    """y (float32, NaN or within the format's range) rounded to nearest-even as the bits (int32) of a small
-    sign-magnitude float: MANT mantissa bits, exponent bias BIAS, the sign at bit SIGN, NaN as NAN. Integer
-    arithmetic: Triton's interpreter converts to float8 with its own rounding, and nothing converts to float4.
-    Normal results: round the float32 mantissa to MANT bits and rebias the exponent; subnormal results:
-    multiples of the smallest subnormal, rounded with the 2**23 trick."""
-    SHIFT: tl.constexpr = 23 - MANT
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> (31 - SIGN)) & (1 << SIGN)
-    a = bits & 0x7FFFFFFF
-    normal = a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)
-    normal = (normal >> SHIFT) - ((127 - BIAS) << MANT)
-    # |y| below the smallest normal 2**(1 - BIAS): count steps of the smallest subnormal 2**(1 - BIAS - MANT)
-    steps = tl.abs(y) * (2.0 ** (BIAS + MANT - 1))
-    sub = ((steps + 8388608.0) - 8388608.0).to(tl.int32)
-    out = tl.where(a < ((128 - BIAS) << 23), sub, normal)
-    out = tl.where(a > 0x7F800000, NAN, out)  # with y's sign, as torch
-    return out | sign
-
-
-@triton.jit
-def minifloat_value(b, MANT: tl.constexpr, BIAS: tl.constexpr, SIGN: tl.constexpr):
-    """The bits (int32) of a small sign-magnitude float as float32, without its special values: normal values
-    rebuilt as float32 bits, subnormals as a multiple of the smallest subnormal (exact)."""
-    exp = (b >> MANT) & ((1 << (SIGN - MANT)) - 1)
-    mant = b & ((1 << MANT) - 1)
-    sign = (b & (1 << SIGN)) << (31 - SIGN)
-    normal = (sign | ((exp + (127 - BIAS)) << 23) | (mant << (23 - MANT))).to(tl.float32, bitcast=True)
-    sub = mant.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))
-    return tl.where(exp == 0, tl.where(sign != 0, -sub, sub), normal)
-
-
-@triton.jit
-def fp8_bits(y, E5M2: tl.constexpr):
-    """y (float32, NaN or within range) as float8 bits (uint8): e5m2 or e4m3fn, NaN 0x7F in both (as torch)."""
-    if E5M2:
-        return minifloat_bits(y, 2, 15, 7, 0x7F).to(tl.uint8)
-    return minifloat_bits(y, 3, 7, 7, 0x7F).to(tl.uint8)
-
-
-@triton.jit
-def fp8_value(b, E5M2: tl.constexpr):
-    """float8 bits (int32, 0..255) as float32, with inf and NaN (e5m2: IEEE's; e4m3fn: NaN only, S.1111.111)."""
-    if E5M2:
-        v = minifloat_value(b, 2, 15, 7)
-        inf = tl.where((b & 0x80) != 0, -float("inf"), float("inf"))
-        v = tl.where((b & 0x7C) == 0x7C, tl.where((b & 3) == 0, inf, float("nan")), v)
-    else:
-        v = minifloat_value(b, 3, 7, 7)
-        v = tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-    return v
-
-
-# ---- tiles ----
 
 
 @triton.jit

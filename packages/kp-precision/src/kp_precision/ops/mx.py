@@ -19,7 +19,7 @@ Kernels: kp_precision.ops.mx_kernels. Declarations: MX_QUANTIZE (kp::mx_quantize
 import torch
 
 import kp_core
-from kp_precision.ops.quantize import soft_float8
+from kp_core.float8 import soft_float8
 
 if kp_core.has_triton():
     from kp_precision.ops import mx_kernels as kernels

@@ -7,7 +7,8 @@ A block is 32 consecutive elements of a row; its scale is an E8M0 byte (2**(s - 
 import triton
 import triton.language as tl
 
-from kp_precision.ops.kernel_helpers import abs_bits, fp8_value, grouped_tile, minifloat_bits, minifloat_value, tile_of
+from kp_core.float8_kernels import abs_bits, fp8_value, minifloat_bits, minifloat_value
+from kp_precision.ops.kernel_helpers import grouped_tile, tile_of
 
 FP4 = tl.constexpr(2)
 

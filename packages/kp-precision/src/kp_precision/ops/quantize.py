@@ -9,8 +9,9 @@ for activations and (128, 128) for weights. Per block, in float32:
     data = float8(saturate(x * q))           saturate: clamp to +-FP8_MAX, NaN kept; round to nearest-even
     scale = 1 / q                            so that x ~ data * scale (torch._scaled_mm's convention)
 
-With a given (delayed) tensorwise scale s, q = 1 / s and the returned scale is s; the returned amax is then the
-input's, for the caller's amax history. Divisions are IEEE round-to-nearest, as in torch. FP8_MAX is 448 for
+(kp_core.float8 holds these constants and the cast in PyTorch, kp_core.float8_kernels its Triton forms.) With a
+given (delayed) tensorwise scale s, q = 1 / s and the returned scale is s; the returned amax is then the input's,
+for the caller's amax history. Divisions are IEEE round-to-nearest, as in torch. FP8_MAX is 448 for
 float8_e4m3fn and 57344 for float8_e5m2, EPS 1e-12 (torchao's). Also kp::transpose, the tiled transposing copy the
 float8 training backward runs on float8 data and 16-bit tensors.
 
@@ -23,6 +24,7 @@ import functools
 import torch
 
 import kp_core
+from kp_core.float8 import EPS, FP8_DTYPES, fp8_max, multiplier, saturating_cast, soft_float8
 
 if kp_core.has_triton():
     from kp_precision.ops import quantize_kernels as kernels
@@ -33,8 +35,6 @@ OP_T = "kp::transpose"
 PACKAGE = "kp-precision"
 SPEC = "quantize"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-EPS = 1e-12
 # (elements per program, num_warps) of the tile kernels on a GPU: best of benchmarks/bench_quantize.py --tune on
 # an H100 (bf16, 16384x4096 and 8192^2; elements 2K-32K, 4-16 warps), where the runners-up were within 1-2 %.
 # The interpreter runs programs one after another, so it gets 16x bigger tiles.
@@ -43,10 +43,6 @@ INTERPRET_SCALE = 16
 # The transpose's square tile on a GPU (elements per side) and under the interpreter (small: tests cross tiles).
 TRANSPOSE_BLOCK = 64
 INTERPRET_TRANSPOSE_BLOCK = 16
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).max
 
 
 def scale_shape(shape: tuple, block_m: int, block_k: int) -> tuple:
@@ -62,14 +58,6 @@ def scale_shape(shape: tuple, block_m: int, block_k: int) -> tuple:
     for d in lead:
         m *= d
     return (kp_core.cdiv(m, block_m), nk)
-
-
-def soft_float8(backend: str) -> bool:
-    """Convert to float8 in integer arithmetic (exact everywhere) instead of with the hardware's conversion:
-    always under the interpreter, whose own float8 rounding is not round-to-nearest-even; on a GPU only when a
-    test pins `kp_core.pinned("fp8_convert", soft=True)` to check one against the other."""
-    soft = kp_core.settings("fp8_convert", soft=None)["soft"]
-    return backend == kp_core.INTERPRET if soft is None else soft
 
 
 def _tile(kernel: str, k: int, block_m: int, block_k: int, interpret: bool) -> tuple[int, int, int]:
@@ -118,22 +106,6 @@ def _blocks(x2: torch.Tensor, block_m: int, block_k: int) -> torch.Tensor:
     padded = x2.new_zeros((pm, pk))
     padded[:m, :k] = x2
     return padded.view(pm // bm, bm, pk // bk, bk)
-
-
-def multiplier(amax: torch.Tensor, fp8: torch.dtype, power_of_2: bool) -> torch.Tensor:
-    """q = FP8_MAX / max(amax, EPS) (float32), floored to a power of two with power_of_2; the scale is 1 / q."""
-    amax = amax.float()
-    q = torch.full_like(amax, fp8_max(fp8)) / amax.clamp(min=EPS)  # not mx / t: torch computes that as mx * (1 / t)
-    if power_of_2:
-        q = torch.where(q.isnan(), q, (q.view(torch.int32) & 0x7F800000).view(torch.float32))
-    return q
-
-
-def saturating_cast(x: torch.Tensor, q: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
-    """float8(saturate(x * q)) in float32, NaN kept: the kernels' cast, in PyTorch."""
-    mx = fp8_max(fp8)
-    y = x.float() * q
-    return torch.where(y.isnan(), y, y.clamp(-mx, mx)).to(fp8)
 
 
 def _reference(x2, scale, fp8, block_m, block_k, power_of_2):

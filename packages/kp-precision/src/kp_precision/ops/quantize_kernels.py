@@ -1,48 +1,20 @@
 """Triton kernels of float8 quantisation (the maths is in kp_precision.ops.quantize's docstring).
 
-Every kernel views its input as (M, K) rows with a row stride and unit column stride. Amax is taken over the
-float32 bit patterns of |x| as int32: for non-negative floats the integer order is the float order, NaN's
-pattern is above +inf's (so a NaN makes the amax NaN, as torch.amax does), and an integer max needs no NaN rules
-from the hardware.
+Every kernel views its input as (M, K) rows with a row stride and unit column stride. Amaxes are int32 bit
+patterns and the cast saturates and rounds as kp_core.float8_kernels says (the helpers are kp-core's).
 """
 
 import triton
 import triton.language as tl
 
-from kp_precision.ops.kernel_helpers import abs_bits, fp8_bits, fp8_value, tile_of
+from kp_core.float8_kernels import abs_bits, fp8_value, multiplier, recip, store_fp8
+from kp_precision.ops.kernel_helpers import tile_of
 
 # The quantisation modes: one scale for the tensor, one per row of a tile (rowwise, and 1 x BK blocks), one per
 # whole BM x BK tile (square blocks).
 TENSOR = tl.constexpr(0)
 ROW = tl.constexpr(1)
 TILE = tl.constexpr(2)
-
-
-@triton.jit
-def _recip(q):
-    """1 / q rounded to nearest (div_rn: the IEEE division torch does, whatever Triton's `/` lowers to)."""
-    return tl.math.div_rn(tl.full(q.shape, 1.0, tl.float32), q)
-
-
-@triton.jit
-def _multiplier(amax_bits, FP8_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr):
-    """q = FP8_MAX / max(amax, EPS) in float32 (round to nearest), floored to a power of two when POW2."""
-    amax = amax_bits.to(tl.float32, bitcast=True)
-    amax = tl.where(amax != amax, amax, tl.maximum(amax, EPS))  # a NaN amax stays NaN, as torch.clamp keeps it
-    q = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
-    if POW2:  # clear the mantissa: 2**floor(log2(q)) for a finite positive q; NaN stays NaN
-        q = tl.where(q != q, q, (q.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True))
-    return q
-
-
-@triton.jit
-def _store_fp8(ptr, y, mask, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, SOFT: tl.constexpr):
-    """Saturate y to +-FP8_MAX (NaN stays NaN, inf saturates), round to nearest-even and store."""
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
-    if SOFT:
-        tl.store(ptr, fp8_bits(y, E5M2), mask=mask)  # ptr is a uint8 view of the data
-    else:
-        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -93,27 +65,27 @@ def _quantize(
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if MODE == TENSOR:
         if DELAYED:
-            q = _recip(tl.load(SCALE))
+            q = recip(tl.load(SCALE))
             tl.atomic_max(AMAX, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
         else:
-            q = _multiplier(tl.load(AMAX), FP8_MAX, EPS, POW2)
+            q = multiplier(tl.load(AMAX), FP8_MAX, EPS, POW2)
             if pid == 0:
-                tl.store(SCALE, _recip(q))
+                tl.store(SCALE, recip(q))
         y = x * q
     elif MODE == ROW:
         amax_bits = tl.max(abs_bits(x), axis=1)
-        q = _multiplier(amax_bits, FP8_MAX, EPS, POW2)
+        q = multiplier(amax_bits, FP8_MAX, EPS, POW2)
         at = rows.to(tl.int64) * stride_s + pid_k
-        tl.store(SCALE + at, _recip(q), mask=row_ok)
+        tl.store(SCALE + at, recip(q), mask=row_ok)
         tl.store(AMAX + at, amax_bits.to(tl.float32, bitcast=True), mask=row_ok)
         y = x * q[:, None]
     else:
         amax_bits = tl.max(tl.max(abs_bits(x), axis=1), axis=0)
-        q = _multiplier(amax_bits, FP8_MAX, EPS, POW2)
-        tl.store(SCALE + pid_m * stride_s + pid_k, _recip(q))
+        q = multiplier(amax_bits, FP8_MAX, EPS, POW2)
+        tl.store(SCALE + pid_m * stride_s + pid_k, recip(q))
         tl.store(AMAX + pid_m * stride_s + pid_k, amax_bits.to(tl.float32, bitcast=True))
         y = x * q
-    _store_fp8(Y + r64 * stride_y + cols[None, :], y, mask, FP8_MAX, E5M2, SOFT)
+    store_fp8(Y + r64 * stride_y + cols[None, :], y, mask, FP8_MAX, E5M2, SOFT)
 
 
 @triton.jit
@@ -143,13 +115,13 @@ def _quantize_rows_looped(
         x = tl.load(X + row * stride_x + c, mask=c < K, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_bits(x))
     amax_bits = tl.max(acc, axis=0)
-    q = _multiplier(amax_bits, FP8_MAX, EPS, POW2)
-    tl.store(SCALE + row, _recip(q))
+    q = multiplier(amax_bits, FP8_MAX, EPS, POW2)
+    tl.store(SCALE + row, recip(q))
     tl.store(AMAX_OUT + row, amax_bits.to(tl.float32, bitcast=True))
     for start in range(0, K, BLOCK_K):
         c = start + cols
         x = tl.load(X + row * stride_x + c, mask=c < K, other=0.0).to(tl.float32)
-        _store_fp8(Y + row * stride_y + c, x * q, c < K, FP8_MAX, E5M2, SOFT)
+        store_fp8(Y + row * stride_y + c, x * q, c < K, FP8_MAX, E5M2, SOFT)
 
 
 @triton.jit

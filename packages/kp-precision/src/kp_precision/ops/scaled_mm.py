@@ -33,8 +33,8 @@ import torch
 
 import kp_core
 from kp_core.activation import NAMES, reference
+from kp_core.float8 import FP8_DTYPES, soft_float8
 from kp_precision.ops import scaled_mm_route as route
-from kp_precision.ops.quantize import soft_float8
 
 if kp_core.has_triton():
     from kp_precision.ops import scaled_mm_kernels as kernels
@@ -42,7 +42,6 @@ if kp_core.has_triton():
 OP = "kp::scaled_mm"
 PACKAGE = "kp-precision"
 SPEC = "scaled_mm"
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")  # the op's activation names (kp_core.activation.NAMES)
 SCALE_K = 128

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from kp_core.activation_kernels import act_fwd
-from kp_precision.ops.kernel_helpers import fp8_value, grouped_tile
+from kp_core.float8_kernels import fp8_value
+from kp_precision.ops.kernel_helpers import grouped_tile
 
 
 @triton.jit

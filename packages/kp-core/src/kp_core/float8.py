@@ -1,0 +1,49 @@
+"""Float8 casts in PyTorch and the constants every float8 kernel shares (kp-precision's casts and matmuls, the
+float8 output of kp-norms' norms).
+
+Per block of values, in float32:
+
+    amax = max |x|              (NaN if the block holds a NaN, as torch.amax)
+    q    = FP8_MAX / max(amax, EPS)          floored to a power of two when power_of_2
+    data = float8(saturate(x * q))           saturate: clamp to +-FP8_MAX, NaN kept; round to nearest-even
+    scale = 1 / q                            so that x ~ data * scale (torch._scaled_mm's convention)
+
+FP8_MAX is 448 for float8_e4m3fn and 57344 for float8_e5m2, EPS 1e-12 (torchao's). The kernels' forms are
+kp_core.float8_kernels.
+"""
+
+import torch
+
+from kp_core.backend import INTERPRET
+from kp_core.tuning import settings
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+EPS = 1e-12
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def soft_float8(backend: str) -> bool:
+    """Convert to float8 in integer arithmetic (exact everywhere) instead of with the hardware's conversion:
+    always under the interpreter, whose own float8 rounding is not round-to-nearest-even; on a GPU only when a
+    test pins `kp_core.pinned("fp8_convert", soft=True)` to check one against the other."""
+    soft = settings("fp8_convert", soft=None)["soft"]
+    return backend == INTERPRET if soft is None else soft
+
+
+def multiplier(amax: torch.Tensor, fp8: torch.dtype, power_of_2: bool) -> torch.Tensor:
+    """q = FP8_MAX / max(amax, EPS) (float32), floored to a power of two with power_of_2; the scale is 1 / q."""
+    amax = amax.float()
+    q = torch.full_like(amax, fp8_max(fp8)) / amax.clamp(min=EPS)  # not mx / t: torch computes that as mx * (1 / t)
+    if power_of_2:
+        q = torch.where(q.isnan(), q, (q.view(torch.int32) & 0x7F800000).view(torch.float32))
+    return q
+
+
+def saturating_cast(x: torch.Tensor, q: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """float8(saturate(x * q)) in float32, NaN kept: the kernels' cast, in PyTorch."""
+    mx = fp8_max(fp8)
+    y = x.float() * q
+    return torch.where(y.isnan(), y, y.clamp(-mx, mx)).to(fp8)

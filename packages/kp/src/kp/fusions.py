@@ -1,0 +1,158 @@
+"""Fusions across packages, applied by kp.optimize after the per-layer choices.
+
+A kp norm (kp_norms.RMSNorm / LayerNorm) whose output is read only by float8 layers of one recipe (Float8Linear
+tensorwise or rowwise with dynamic scaling, or Float8InferenceLinear) casts its output to float8 in its own kernel
+(kp_norms.norm_float8) and hands the copy to those layers (kp_precision.attach_float8): in a transformer block the
+attention's q, k and v projections (and the MLP's gate and up) then share one cast made without reading the norm's
+output back, where each layer would cast it again. Neither package can do this alone: the norm's kernel does not
+know who reads its output, the layers do not know where their input came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import kp_norms
+import kp_precision
+from kp.sites import run_hooked
+from kp_precision.float8 import attached_float8
+from kp_precision.shared import cast
+
+NORMS = (kp_norms.RMSNorm, kp_norms.LayerNorm)
+FLOAT8 = (kp_precision.Float8Linear, kp_precision.Float8InferenceLinear)
+_BLOCKS = {"tensorwise": (0, 0), "rowwise": (1, 0)}
+
+
+class Float8Norm(nn.Module):
+    """A kp norm whose output also comes cast to float8 (`granularity`, `power_of_2`), attached to the output for
+    the float8 layers that read it. It holds the norm's own parameters under the same names (the state_dict is the
+    norm's) and returns the norm's output bit for bit."""
+
+    def __init__(self, norm: nn.Module, granularity: str, power_of_2: bool):
+        super().__init__()
+        if not isinstance(norm, NORMS) or len(norm.normalized_shape) != 1:
+            raise TypeError(f"kp.Float8Norm: norm must be a kp_norms RMSNorm or LayerNorm over one dim, got {norm!r}")
+        if granularity not in _BLOCKS:
+            raise ValueError(f"kp.Float8Norm: granularity must be 'tensorwise' or 'rowwise', got {granularity!r}")
+        self.rms = isinstance(norm, kp_norms.RMSNorm)
+        self.weight = norm.weight
+        self.bias = None if self.rms else norm.bias
+        self.eps, self.normalized_shape = norm.eps, norm.normalized_shape
+        self.offset, self.casting = (norm.offset, norm.casting) if self.rms else (0.0, "torch")
+        self.granularity, self.power_of_2 = granularity, bool(power_of_2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = dict(kind="rms", offset=self.offset, casting=self.casting) if self.rms else dict(kind="layer")
+        cast = dict(granularity=self.granularity, power_of_2=self.power_of_2)
+        out = kp_norms.norm_float8(x, self.weight, self.bias, self.eps, **kind, **cast)
+        copy = kp_precision.Float8Tensor(out.data, out.scale, out.amax, _BLOCKS[self.granularity])
+        return kp_precision.attach_float8(out.output, copy, power_of_2=self.power_of_2)
+
+    def extra_repr(self) -> str:
+        norm = "RMSNorm" if self.rms else "LayerNorm"
+        return f"{norm}{self.normalized_shape}, eps={self.eps}, float8 {self.granularity}, power_of_2={self.power_of_2}"
+
+
+def recipe_of(layer: nn.Module) -> tuple[str, bool] | None:
+    """(granularity, power_of_2) of the cast a float8 layer makes of its input, when an attached copy can stand
+    for it (dynamic scaling; tensorwise or rowwise); else None."""
+    if isinstance(layer, kp_precision.Float8Linear):
+        config = layer.config
+        if config.scaling != "dynamic" or config.recipe not in _BLOCKS:
+            return None
+        return config.recipe, bool(config.pow2)
+    if isinstance(layer, kp_precision.Float8InferenceLinear) and layer.recipe in _BLOCKS:
+        return layer.recipe, False
+    return None
+
+
+@dataclasses.dataclass
+class Fusable:
+    """A kp norm of the model and the float8 layers that read its output on the example batch."""
+
+    norm: str  # qualified name
+    module: nn.Module
+    readers: list[str]
+    granularity: str
+    power_of_2: bool
+
+
+def readers(model: nn.Module, example_inputs: tuple) -> list[Fusable]:
+    """Run the model once without gradients and list the kp norms whose output only float8 layers of one recipe
+    read (matched by tensor identity: a layer reads the very tensor the norm returned)."""
+    outputs: dict[str, torch.Tensor] = {}
+    read: dict[str, list[tuple[str, nn.Module]]] = {}
+    hooks = []
+
+    def norm_hook(name):
+        def hook(module, args, output):
+            outputs.setdefault(name, output)  # kept alive for the run, so identities stay unique
+
+        return hook
+
+    def reader_hook(name):
+        def hook(module, args):
+            for norm, out in outputs.items():
+                if args and args[0] is out:
+                    read.setdefault(norm, []).append((name, module))
+
+        return hook
+
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, NORMS) and len(m.normalized_shape) == 1}
+    for name, module in model.named_modules():
+        if name in norms:
+            hooks.append(module.register_forward_hook(norm_hook(name)))
+        elif name:
+            hooks.append(module.register_forward_pre_hook(reader_hook(name)))
+    run_hooked(model, example_inputs, hooks)
+    found = []
+    for name, layers in read.items():
+        recipes = {recipe_of(m) for _, m in layers}
+        if len(recipes) == 1 and None not in recipes:
+            granularity, pow2 = recipes.pop()
+            found.append(Fusable(name, norms[name], [n for n, _ in layers], granularity, pow2))
+    return found
+
+
+def check(fusable: Fusable, x: torch.Tensor) -> str | None:
+    """None when the fused norm gives the norm's output and the layers' own cast of it bit for bit on x (the
+    norm's input on the example batch); else why not."""
+    fused = Float8Norm(fusable.module, fusable.granularity, fusable.power_of_2)
+    with torch.no_grad():
+        y = fusable.module(x)
+        got = fused(x)
+        pre = attached_float8(got, _BLOCKS[fusable.granularity], torch.float8_e4m3fn, fusable.power_of_2)
+        want = kp_precision.quantize(y, granularity=fusable.granularity, power_of_2=fusable.power_of_2)
+    if not torch.equal(got, y):
+        return "the fused norm's output differs from the norm's"
+    if pre is None:
+        return "no float8 copy was attached"
+    same = torch.equal(pre.data.view(torch.uint8), want.data.reshape(pre.data.shape).view(torch.uint8))
+    if not same or not torch.equal(pre.scale.reshape(-1), want.scale.reshape(-1)):
+        return "the fused cast differs from the layers' own cast"
+    return None
+
+
+def unfused_run(fusable: Fusable, x: torch.Tensor):
+    """The forward work a fusion replaces: the norm, then each reader's cast of its output."""
+    block = _BLOCKS[fusable.granularity]
+
+    def run():
+        with torch.no_grad():
+            y = fusable.module(x)
+            y2 = y.reshape(-1, y.shape[-1])
+            for _ in fusable.readers:  # as the layers cast (kp_precision.shared: no argument checks)
+                cast(y2, torch.float8_e4m3fn, block, fusable.power_of_2)
+
+    return run
+
+
+def fused_run(fused: Float8Norm, x: torch.Tensor):
+    def run():
+        with torch.no_grad():
+            return fused(x)
+
+    return run
