@@ -754,21 +754,18 @@ def exact_rows(n_rows: int, n: int, fp8) -> Case:
 def test_float8_conversions_agree(fp8):
     """Both float8 conversions (the hardware's, kp's integer one) in the fused and looped paths, tensorwise and
     rowwise, on outputs every correct rounding gets exact (under the interpreter too, whose own float8 rounding
-    is not torch's); power-of-two scales off with the default conversion, on any input."""
+    is not torch's); power-of-two scales off with the default conversion, on any input: rows of 48 columns (masked
+    lanes in every tile), one of them all zero (amax 0), and a single row (one program writes the one scale)."""
     for name in ("rms_norm", "layer_norm"):
         c = exact_rows(6, 64, fp8)
+        drawn = make_case(VARIANTS[name], (6, 48), torch.float32, "contiguous", True, 1e-5, 1.0, 9)
+        drawn.x[2] = 0.0
         for granularity in ("tensorwise", "rowwise"):
             for looped in (False, True):
                 for soft in (False, True):
                     check_float8(name, c, granularity, fp8, True, looped, soft)
-                check_float8(
-                    name,
-                    make_case(VARIANTS[name], (6, 64), torch.float32, "contiguous", True, 1e-5, 1.0, 9),
-                    granularity,
-                    fp8,
-                    False,
-                    looped,
-                )
+                check_float8(name, drawn, granularity, fp8, False, looped)
+                check_float8(name, dataclasses.replace(drawn, x=drawn.x[3:4]), granularity, fp8, False, looped)
 
 
 @pytest.mark.conformance(kernel="rms_norm", prop="opcheck")
