@@ -2,10 +2,14 @@
 
     python benchmarks/bench_glu.py            # headline shapes + N sweep, writes results/<device>/glu.*
     python benchmarks/bench_glu.py --tune     # sweep kp's tile settings (kp_core.pin) on the headline shapes
+    python benchmarks/bench_glu.py --float8   # glu_float8: the output with its float8 copy, forward
 
 gate and up are M x N each. GB/s counts the bytes the op must move: forward 3*M*N*elsize (read gate and up,
 write y); forward+backward 8*M*N*elsize (adds read dy, gate, up; write dgate, dup): the bytes the op must move.
 `kp packed` reads gate and up as the two halves of one M x 2N tensor (swiglu_packed) and writes one gradient.
+
+--float8 counts 7*M*N bytes (read gate and up, write y in bf16 and its float8 copy) for kp_norms.glu_float8, against
+kp's swiglu then kp's cast, torch.compile of swiglu and a float8 cast, and torchao's cast compiled with swiglu.
 
 Each case is timed two ways, every provider alike: replayed from a CUDA graph (the kernels' own speed) and with
 plain launches under do_bench (what a Python loop that does nothing else sees, CPU overhead included).
@@ -137,10 +141,45 @@ def tune() -> None:
             print(f"   {r[0]:7.0f}  {r[1]:2d}  {r[2]:4d}  {r[3]:2d}")
 
 
+def float8_providers(n: int, granularity: str) -> dict:
+    """name -> fn(g, u): swiglu's output and its float8 copy ("kp": glu_float8)."""
+    import kp_precision
+
+    rowwise = granularity == "rowwise"
+    compile_ = lambda f: torch.compile(f, dynamic=False)  # noqa: E731
+    out = {
+        "kp": lambda g, u: kp_norms.glu_float8(g, u, granularity=granularity),
+        "kp swiglu + kp cast": lambda g, u: (
+            y := kp_norms.swiglu(g, u),
+            kp_precision.quantize(y, granularity=granularity),
+        ),
+        "compile(swiglu + cast)": compile_(lambda g, u: (y := eager(g, u), harness.torch_float8_cast(y, rowwise))),
+    }
+    torchao = harness.torchao_float8_cast()
+    if torchao is not None:
+        out["torchao cast, compiled"] = compile_(lambda g, u: (y := eager(g, u), torchao(y, rowwise)))
+    return out
+
+
+def float8_inputs(m: int, n: int):
+    """gate and up, after checking that glu_float8 is kp's swiglu then kp's cast, bit for bit, at this size."""
+    import kp_precision
+
+    g, u = inputs(m, n, False, False)
+    for granularity in ("tensorwise", "rowwise"):
+        fused = kp_norms.glu_float8(g, u, granularity=granularity)
+        y = kp_norms.swiglu(g, u)
+        data = kp_precision.quantize(y, granularity=granularity).data
+        same = torch.equal(fused.data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(fused.output, y)
+        assert same, f"glu_float8 differs from kp's swiglu then kp's cast at {m}x{n} {granularity}"
+    return g, u
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--float8", action="store_true", help="glu_float8 against swiglu then a cast, instead")
     args = parser.parse_args()
     harness.require_gpu()
     if args.tune:
@@ -148,6 +187,9 @@ def main() -> None:
         return
     copy = harness.copy_bandwidth_gbps()
     print(f"device copy bandwidth this run: {copy:.0f} GB/s")
+    if args.float8:
+        harness.float8_output_run("swiglu+float8", HEADLINE, float8_providers, float8_inputs, 7, copy)
+        return
     cases = [("headline", m, n, mode) for (m, n) in HEADLINE for mode in ("fwd", "fwd+bwd")]
     if not args.no_sweep:
         cases += [("sweep", SWEEP_ELEMENTS // n, n, mode) for n in SWEEP_N for mode in ("fwd", "fwd+bwd")]

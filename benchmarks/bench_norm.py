@@ -237,19 +237,8 @@ def run_kernel(kind: str, sweep: bool, copy: float) -> None:
     print(f"wrote {out}/{slug}.*")
 
 
-E4M3 = torch.float8_e4m3fn
-
-
-def torch_cast(y, rowwise: bool):
-    """float8 e4m3 data and scale of y, as torchao's dynamic recipes compute them, in PyTorch ops."""
-    yf = y.float()
-    amax = yf.abs().amax(dim=-1, keepdim=True) if rowwise else yf.abs().amax()
-    q = torch.finfo(E4M3).max / amax.clamp(min=1e-12)
-    return (yf * q).clamp(-448.0, 448.0).to(E4M3), q.reciprocal()
-
-
 def float8_providers(n: int, granularity: str) -> dict:
-    """name -> fn(x, w): the norm's output and its float8 copy."""
+    """name -> fn(x, w): the norm's output and its float8 copy ("kp": norm_float8)."""
     import kp_precision
 
     rowwise = granularity == "rowwise"
@@ -266,65 +255,28 @@ def float8_providers(n: int, granularity: str) -> dict:
         "kp": lambda x, w: kp_norms.norm_float8(x, w, None, EPS, granularity=granularity),
         "kp norm + kp cast": kp_then_casts(1),
         "kp norm + 3 kp casts": kp_then_casts(3),
-        "compile(norm + cast)": compile_(lambda x, w: (y := F.rms_norm(x, (n,), w, EPS), torch_cast(y, rowwise))),
+        "compile(norm + cast)": compile_(
+            lambda x, w: (y := F.rms_norm(x, (n,), w, EPS), harness.torch_float8_cast(y, rowwise))
+        ),
     }
-    try:
-        from torchao.float8.config import ScalingGranularity
-        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-        from torchao.float8.float8_training_tensor import LinearMMConfig
-
-        kind = ScalingGranularity.AXISWISE if rowwise else ScalingGranularity.TENSORWISE
-
-        def torchao(x, w):
-            y = F.rms_norm(x, (n,), w, EPS)
-            t = hp_tensor_to_float8_dynamic(
-                y, E4M3, LinearMMConfig(), scaling_granularity=kind, axiswise_dim=-1 if rowwise else None
-            )
-            return y, t._data, t._scale
-
-        out["torchao cast, compiled"] = compile_(torchao)
-    except Exception as e:  # absent or another API: printed, not hidden
-        print(f"torchao float8 cast unavailable: {type(e).__name__}: {e}")
+    torchao = harness.torchao_float8_cast()
+    if torchao is not None:
+        out["torchao cast, compiled"] = compile_(lambda x, w: (y := F.rms_norm(x, (n,), w, EPS), torchao(y, rowwise)))
     return out
 
 
-def run_float8(copy: float) -> None:
-    """kp_norms.norm_float8 against the norm followed by a cast (kp's, torch.compile's, torchao's compiled)."""
-    rows = []
-    for (m, n), granularity in harness.progress(list(itertools.product(HEADLINE, ("tensorwise", "rowwise"))), "float8"):
-        fns = float8_providers(n, granularity)
-        x, _, w, _ = _inputs(m, n, False)
-        fused, plain = fns["kp"](x, w), fns["kp norm + kp cast"](x, w)
-        same = torch.equal(fused.output, plain[0]) and torch.equal(
-            fused.data.view(torch.uint8), plain[1].data.view(torch.uint8)
-        )
+def float8_inputs(m: int, n: int):
+    """x and w, after checking that norm_float8 is kp's norm then kp's cast, bit for bit, at this size."""
+    import kp_precision
+
+    x, _, w, _ = _inputs(m, n, False)
+    for granularity in ("tensorwise", "rowwise"):
+        fused = kp_norms.norm_float8(x, w, None, EPS, granularity=granularity)
+        y = kp_norms.rms_norm(x, (n,), w, EPS)
+        data = kp_precision.quantize(y, granularity=granularity).data
+        same = torch.equal(fused.data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(fused.output, y)
         assert same, f"norm_float8 differs from kp's norm then kp's cast at {m}x{n} {granularity}"
-        for name, fn in fns.items():
-            row = dict(group="headline", M=m, N=n, mode=f"fwd {granularity}", provider=name)
-            with torch.no_grad():
-                rows.append(harness.timed(row, lambda fn=fn, x=x, w=w: fn(x, w), nbytes=5 * m * n, copy_gbps=copy))
-    meta = {"kernel": "rms_norm+float8", "dtype": "bfloat16", "copy_gbps": copy, **harness.versions()}
-    md = harness.render(
-        harness.header(meta["kernel"], meta, "; bytes: read x, write y and its float8 copy"), meta, rows
-    )
-    out = harness.write_results(
-        "rms_norm_float8",
-        meta,
-        rows,
-        md,
-        lambda path: harness.plot_bars(
-            rows,
-            meta,
-            path,
-            HEADLINE,
-            [f"fwd {g}" for g in ("tensorwise", "rowwise")],
-            "gbps_graph",
-            "GB/s",
-            "rms_norm + float8 copy, bf16",
-        ),
-    )
-    print(md)
-    print(f"wrote {out}/rms_norm_float8.*")
+    return x, w
 
 
 def main() -> None:
@@ -340,8 +292,8 @@ def main() -> None:
     copy = harness.copy_bandwidth_gbps()
     print(f"device copy bandwidth this run: {copy:.0f} GB/s")
     for kind in args.kernels:
-        if kind == "rms_norm+float8":
-            run_float8(copy)
+        if kind == "rms_norm+float8":  # read x, write y and its float8 copy
+            harness.float8_output_run(kind, HEADLINE, float8_providers, float8_inputs, 5, copy)
         else:
             run_kernel(kind, not args.no_sweep, copy)
 

@@ -278,3 +278,63 @@ def plot_bars(rows: list[dict], meta: dict, path, shapes: list, modes: list, val
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# ---- a kernel's output with its float8 copy (kp_norms.norm_float8, glu_float8) against the op then a cast ----
+
+E4M3 = torch.float8_e4m3fn
+FLOAT8_MODES = ("fwd tensorwise", "fwd rowwise")
+
+
+def torch_float8_cast(y: torch.Tensor, rowwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 data and scale of y as torchao's dynamic recipes compute them, in PyTorch ops (for compile)."""
+    yf = y.float()
+    amax = yf.abs().amax(dim=-1, keepdim=True) if rowwise else yf.abs().amax()
+    q = torch.finfo(E4M3).max / amax.clamp(min=1e-12)
+    return (yf * q).clamp(-448.0, 448.0).to(E4M3), q.reciprocal()
+
+
+def torchao_float8_cast():
+    """fn(y, rowwise) -> (data, scale) by torchao's own cast (torchao.float8), or None (absent or another API:
+    printed, not hidden)."""
+    try:
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+        from torchao.float8.float8_training_tensor import LinearMMConfig
+    except Exception as e:
+        print(f"torchao float8 cast unavailable: {type(e).__name__}: {e}")
+        return None
+
+    def cast(y, rowwise):
+        kind = ScalingGranularity.AXISWISE if rowwise else ScalingGranularity.TENSORWISE
+        t = hp_tensor_to_float8_dynamic(
+            y, E4M3, LinearMMConfig(), scaling_granularity=kind, axiswise_dim=-1 if rowwise else None
+        )
+        return t._data, t._scale
+
+    return cast
+
+
+def float8_output_run(kernel: str, shapes, providers_for, inputs_for, bytes_per_element: int, copy: float) -> None:
+    """Time providers_for(n, granularity) (name -> fn(*inputs_for(m, n)), "kp" the fused op) on each shape and
+    granularity, forward, both timings; GB/s of bytes_per_element * M * N; results as <kernel>.json / .md / .png."""
+    rows = []
+    for (m, n), granularity in progress(list(itertools.product(shapes, ("tensorwise", "rowwise"))), kernel):
+        args = inputs_for(m, n)
+        for name, fn in providers_for(n, granularity).items():
+            row = dict(group="headline", M=m, N=n, mode=f"fwd {granularity}", provider=name)
+            with torch.no_grad():
+                call = lambda fn=fn, args=args: fn(*args)  # noqa: E731
+                rows.append(timed(row, call, nbytes=bytes_per_element * m * n, copy_gbps=copy))
+    meta = {"kernel": kernel, "dtype": "bfloat16", "copy_gbps": copy, **versions()}
+    md = render(header(kernel, meta, "; forward, the output and its float8 copy"), meta, rows)
+    slug = re.sub(r"[^a-z0-9]+", "_", kernel)
+    out = write_results(
+        slug,
+        meta,
+        rows,
+        md,
+        lambda path: plot_bars(rows, meta, path, shapes, FLOAT8_MODES, "gbps_graph", "GB/s", kernel),
+    )
+    print(md)
+    print(f"wrote {out}/{slug}.*")

@@ -1,6 +1,7 @@
 """Conformance spec for kp-norms' gated activations (SwiGLU, GeGLU with erf and tanh GELU), split and packed,
 forward and backward, against independent float64 references."""
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 import kp_conformance as kc
 import kp_core
 import kp_norms
-from kp_conformance.references import gelu64, gelu_tanh64, silu64
+from kp_conformance.references import gelu64, gelu_tanh64, quantize_fp8, silu64
 from kp_core import Activation
 from kp_norms.ops import glu as glu_mod
 
@@ -22,21 +23,24 @@ TIER = kc.current()
 DEVICE = kc.device()
 SPLIT_OPS = ("kp::glu", "kp::glu_backward")
 PACKED_OPS = ("kp::glu_packed", "kp::glu_packed_backward")
+FLOAT8_OPS = ("kp::glu_float8", "kp::glu_float8_backward")
 
 kc.declare(
     kc.Spec(
         name="glu",
         package="kp-norms",
-        ops=SPLIT_OPS + PACKED_OPS,
+        ops=SPLIT_OPS + PACKED_OPS + FLOAT8_OPS,
         reference=(
             "y = act(gate) * up in float64 (Shazeer 2020, 'GLU Variants Improve Transformer', eq. 6): "
             "silu(g) = g * sigmoid(g), gelu(g) = 0.5 g (1 + erf(g / sqrt 2)), tanh form 0.5 g (1 + tanh(sqrt(2/pi) "
-            "(g + 0.044715 g^3))) (Hendrycks & Gimpel 2016; torch.nn.GELU docs); packed: gate, up = x.chunk(2, -1)"
+            "(g + 0.044715 g^3))) (Hendrycks & Gimpel 2016; torch.nn.GELU docs); packed: gate, up = x.chunk(2, -1); "
+            "the float8 copy: the float8 recipe's cast of the output in float32 PyTorch (quantize_fp8)"
         ),
         dtypes=DTYPES,
         properties=(
             "values",
             "gradients",
+            "float8_output",
             "no_mutation",
             "determinism",
             "zero_size",
@@ -224,6 +228,11 @@ BAD_INPUTS = [
     ("not a tensor", lambda d: kp_norms.swiglu([[1.0]], _t(d)), TypeError, "gate"),
     ("bad approximate", lambda d: kp_norms.geglu(_t(d), _t(d), approximate="erf"), ValueError, "approximate"),
     ("bad packed approximate", lambda d: kp_norms.geglu_packed(_t(d), approximate=None), ValueError, "approximate"),
+    ("float8 of float64", lambda d: kp_norms.glu_float8(*(_t(d, dtype=torch.float64),) * 2), TypeError, "gate"),
+    ("float8 activation", lambda d: kp_norms.glu_float8(_t(d), _t(d), "relu"), ValueError, "activation"),
+    ("float8 granularity", lambda d: kp_norms.glu_float8(_t(d), _t(d), granularity="blockwise"), ValueError, "granul"),
+    ("float8 dtype", lambda d: kp_norms.glu_float8(_t(d), _t(d), float8_dtype=torch.int8), TypeError, "float8_dtype"),
+    ("float8 shape", lambda d: kp_norms.glu_float8(_t(d), _t(d, (2, 5))), ValueError, "up"),
 ]
 
 
@@ -272,6 +281,116 @@ def test_compile_fullgraph_equals_eager(dtype):
             assert torch.equal(a, b), (
                 f"{name}: compiled differs from eager by {(a.double() - b.double()).abs().max():.3e}"
             )
+
+
+# ---- the float8 copy of the output (kp::glu_float8) ----
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT8_ACTS = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
+
+
+def bits_equal(what, ours, ref):
+    if ours.dtype in FP8:
+        ours, ref = ours.view(torch.uint8), ref.view(torch.uint8)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def check_float8(act, gate, up, granularity, fp8, power_of_2, soft=None, dy=None):
+    """glu_float8: its kernels ran; the output bit for bit the plain function's (held to the rule by test_values),
+    the float8 copy bit for bit the recipe's cast of it; with dy, the gradients bit for bit the plain function's."""
+    convert = contextlib.nullcontext() if soft is None else kp_core.pinned("fp8_convert", soft=soft)
+    cast = dict(float8_dtype=fp8, granularity=granularity, power_of_2=power_of_2)
+    leaves = [t.detach().requires_grad_(dy is not None) for t in (gate, up)]
+    with convert, kp_core.record_launches() as rec:
+        out = kp_norms.glu_float8(*leaves, FLOAT8_ACTS[act], **cast)
+    if gate.numel():
+        kc.assert_kernel_ran(rec, FLOAT8_OPS[0])
+        assert rec.kernels(FLOAT8_OPS[0]) == {"_glu_fwd", "_glu_cast_float8"}, rec.launches
+    plain_leaves = [t.detach().requires_grad_(dy is not None) for t in (gate, up)]
+    plain = ACTS[act].split(*plain_leaves)
+    bits_equal(f"{act} output against the plain function", out.output, plain)
+    data, scale, amax = quantize_fp8(out.output.detach(), fp8, granularity, None, None, power_of_2)
+    assert out.data.dtype == fp8 and out.scale.shape == scale.shape and out.amax.shape == amax.shape
+    bits_equal(f"{act} float8 data", out.data, data)
+    bits_equal(f"{act} float8 scale", out.scale, scale)
+    bits_equal(f"{act} float8 amax", out.amax, amax)
+    if dy is not None and gate.numel():
+        with kp_core.record_launches() as rec:
+            out.output.backward(dy)
+        kc.assert_kernel_ran(rec, FLOAT8_OPS[1])
+        plain.backward(dy)
+        for name, a, p in zip(("dgate", "dup"), leaves, plain_leaves):
+            bits_equal(f"{act} {name} against the plain function", a.grad, p.grad)
+
+
+@pytest.mark.conformance(kernel="glu", prop="float8_output")
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=kc.dtype_id)
+@given(
+    **case,
+    granularity=st.sampled_from(["tensorwise", "rowwise"]),
+    fp8=st.sampled_from(FP8),
+    power_of_2=st.booleans(),
+    soft=st.sampled_from([None] if kc.interpreting() else [None, True]),
+    with_grads=st.booleans(),
+)
+def test_float8_output(
+    dtype, act, form, shape, layouts, scale, seed, family, granularity, fp8, power_of_2, soft, with_grads
+):
+    kc.skip_if_not_covered(dtype)
+    gate, up = make_case("split", shape, dtype, layouts, scale, seed, family)
+    dy = kc.make_input(shape, dtype, DEVICE, "contiguous", seed=seed + 2) if with_grads else None
+    check_float8(act, gate, up, granularity, fp8, power_of_2, soft, dy)
+
+
+@pytest.mark.conformance(kernel="glu", prop="float8_output")
+@pytest.mark.parametrize("fp8", FP8, ids=kc.dtype_id)
+def test_float8_conversions_agree(fp8):
+    """Both float8 conversions (the hardware's, kp's integer one), tensorwise and rowwise, on outputs every correct
+    rounding gets exact (under the interpreter too): gates of 32 or 64, where silu and gelu are the identity in
+    float32, times ups the float8 format holds, with power-of-two scales; then power-of-two scales off with the
+    default conversion on drawn inputs: rows of 1100 columns (two column blocks, masked lanes), one row all zero,
+    and a single row."""
+    g = torch.tensor([32.0, 64.0]).repeat(4, 550)
+    u = torch.tensor([0.5, 1.0, 1.5, -2.0, 3.0, -0.75, 1.75, 0.25, -1.0, 0.375]).repeat(4, 110)
+    gate, up = g.to(DEVICE, torch.float16), u.to(DEVICE, torch.float16)
+    drawn = make_case("split", (5, 1100), torch.float32, ("contiguous", "contiguous"), 1.0, 7)
+    drawn[0][2] = 0.0
+    for act in ("swiglu", "geglu"):
+        for granularity in ("tensorwise", "rowwise"):
+            for soft in (False, True):
+                check_float8(act, gate, up, granularity, fp8, True, soft)
+            check_float8(act, *drawn, granularity, fp8, False)
+            check_float8(act, drawn[0][3:4], drawn[1][3:4], granularity, fp8, False)
+
+
+@pytest.mark.conformance(kernel="glu", prop="opcheck")
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_opcheck_float8(granularity):
+    g, u = (kc.make_input((37, 130), torch.float32, DEVICE, "contiguous", seed=i).requires_grad_() for i in (1, 2))
+    with kp_core.record_launches() as rec:
+        args = (g, u, int(Activation.SILU), torch.float8_e4m3fn, granularity == "rowwise", False)
+        torch.library.opcheck(glu_mod.GLU_FLOAT8.op, args)
+    kc.assert_kernel_ran(rec, *FLOAT8_OPS)
+
+
+@pytest.mark.conformance(kernel="glu", prop="compile")
+def test_compile_float8_equals_eager():
+    torch._dynamo.reset()
+
+    def f(g, u):
+        out = kp_norms.glu_float8(g * 2, u, granularity="rowwise")
+        return out.output, out.data.float() * out.scale
+
+    compiled = torch.compile(f, fullgraph=True)
+    g, u = (kc.make_input((4, 9, 64), torch.float32, DEVICE, "contiguous", seed=i) for i in (1, 2))
+    results = []
+    for fn in (f, compiled):
+        with kp_core.record_launches() as rec:
+            results.append(fn(g, u))
+        kc.assert_kernel_ran(rec, FLOAT8_OPS[0])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_reference_is_independent():

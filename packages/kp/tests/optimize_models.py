@@ -57,3 +57,21 @@ def fan_out(device: str, seed: int = 0, dtype=torch.float32) -> tuple[FanOut, to
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 1.5)
     return model, torch.randn(2, 8, 64, device=device, dtype=dtype)
+
+
+def llama(device: str, vocab=128, hidden=64, intermediate=128, seq=16):
+    """A 2-layer Hugging Face Llama (GQA 4/2, SDPA attention) and a batch of token ids (2 x seq)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(device), torch.randint(0, vocab, (2, seq), device=device)

@@ -3,7 +3,7 @@ them in its own kernel. Real kernels (the interpreter on a CPU), timings set thr
 
 import pytest
 import torch
-from optimize_models import FixedTimer, fan_out
+from optimize_models import FixedTimer, fan_out, llama
 
 import kp
 import kp_core
@@ -107,9 +107,41 @@ def test_a_norm_with_other_readers_or_other_recipes_is_not_fused():
     assert FUSED not in {layer.name for layer in report.layers}  # v stays an nn.Linear: it reads the norm too
 
 
+def test_a_llama_block_casts_each_activation_once_where_it_is_made():
+    """A Hugging Face Llama with kp norms, kp gated MLPs and float8 linears: both norms of each block and each
+    MLP's gated activation make the float8 copy their readers take; the logits are the unfused model's, bit for
+    bit, and the state_dict keys are the original's."""
+    model, ids = llama(DEVICE)
+    keys = set(model.state_dict())
+    times = {**TIMES, ("*", "kp_norms.GatedMLP"): 0.5, ("*", decisions.FUSION): 0.4}
+    allow = ["norms", "glu", "float8 tensorwise"]
+    step = {"torch": 1.0, "kp": 0.9}
+    kp.optimize(model, (ids,), allow=allow, timer=FixedTimer(times, step), report=False)
+    with torch.no_grad():
+        unfused = model(ids).logits
+    report = kp.optimize(model, (ids,), allow=[*allow, "fusion"], timer=FixedTimer(times, step), report=False)
+    fused = {name for name, choice in report.chosen.items() if choice == decisions.FUSION}
+    for i in range(2):
+        block = f"model.layers.{i}"
+        want = {f"{block}.input_layernorm -> float8", f"{block}.post_attention_layernorm -> float8"}
+        assert want | {f"{block}.mlp -> float8"} <= fused, fused
+    assert "model.norm -> float8" not in fused  # the lm_head reads a slice of the final norm's output
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, fusions.Float8GatedMLP) and isinstance(mlp.down_proj, kp_precision.Float8Linear)
+    assert isinstance(model.model.layers[0].input_layernorm, fusions.Float8Norm)
+    assert set(model.state_dict()) == keys
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, unfused, rtol=0, atol=0)
+    kp.restore(model)
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+
+
 def test_float8_norm_bad_arguments():
     with pytest.raises(TypeError, match="norm must be a kp_norms RMSNorm or LayerNorm"):
         fusions.Float8Norm(torch.nn.RMSNorm(64), "tensorwise", False)
     with pytest.raises(ValueError, match="granularity must be 'tensorwise' or 'rowwise'"):
         fusions.Float8Norm(kp_norms.RMSNorm(64), "blockwise", False)
+    with pytest.raises(TypeError, match="mlp must be a kp_norms.GatedMLP"):
+        fusions.Float8GatedMLP(torch.nn.Linear(4, 4), "rowwise", False)
     assert fusions.recipe_of(kp_precision.Float8Linear(64, 64, config=kp_precision.Float8Config("blockwise"))) is None

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from optimize_models import FixedTimer, block
+from optimize_models import FixedTimer, block, llama
 from torch import nn
 
 import kp
@@ -192,23 +192,8 @@ def test_bad_arguments(kwargs, error, match):
         kp.check(model, {"x": x})
 
 
-def _llama(vocab=128, hidden=64, intermediate=128, seq=16):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(DEVICE), torch.randint(0, vocab, (2, seq), device=DEVICE)
-
-
 def test_a_hugging_face_llama_gets_kp_norms_and_fused_mlps_and_stays_correct():
-    model, ids = _llama()
+    model, ids = llama(DEVICE)
     with torch.no_grad():
         before = model(ids).logits
     times = {("*", "torch"): 1.0, ("*", "kp_norms.RMSNorm"): 0.5, ("*", "kp_norms.GatedMLP"): 0.5}
@@ -226,7 +211,7 @@ def test_a_hugging_face_llama_gets_kp_norms_and_fused_mlps_and_stays_correct():
 
 
 def test_attention_is_decided_for_the_whole_model_from_every_layers_time():
-    model, ids = _llama()
+    model, ids = llama(DEVICE)
     with torch.no_grad():
         before = model(ids).logits
     faster = {("*", "torch"): 1.0, ("model.layers.0.self_attn", "kp_attention"): 0.5}  # layer 1: 1.0, as torch
@@ -242,7 +227,7 @@ def test_attention_is_decided_for_the_whole_model_from_every_layers_time():
     kp.restore(model)
     assert model.config._attn_implementation == "sdpa"
 
-    model, ids = _llama()
+    model, ids = llama(DEVICE)
     even = {("*", "torch"): 1.0, ("*", "kp_attention"): 0.99}
     report = kp.optimize(model, (ids,), allow=["attention"], timer=FixedTimer(even, step), report=False)
     assert report.chosen == {} and model.config._attn_implementation == "sdpa"
@@ -250,7 +235,7 @@ def test_attention_is_decided_for_the_whole_model_from_every_layers_time():
 
 
 def test_attention_checks_the_kp_layer_against_float64_with_gradients():
-    model, ids = _llama()
+    model, ids = llama(DEVICE)
     report = kp.check(model, (ids,), allow=["attention"], report=False)
     assert {layer.name: [t.status for t in layer.tried] for layer in report.layers} == {
         "model.layers.0.self_attn": ["checked"],
@@ -268,7 +253,7 @@ def test_the_float64_reference_keeps_a_layers_own_float32_casts_in_float64():
     assert {t.dtype for t in casts + [made]} == {torch.float64} and ints.dtype == torch.int64
     # Hugging Face's RMSNorm normalises in float32 whatever its input: against a float32-exact "reference", kp's
     # float32 kernel (as exact as PyTorch's) was refused on 4 of this model's 5 norms.
-    model, ids = _llama(vocab=512, hidden=128, intermediate=352, seq=64)
+    model, ids = llama(DEVICE, vocab=512, hidden=128, intermediate=352, seq=64)
     report = kp.check(model, (ids,), allow=["norms"], report=False)
     assert len(report.layers) == 5
     assert all(t.status == "checked" for layer in report.layers for t in layer.tried), report.text()

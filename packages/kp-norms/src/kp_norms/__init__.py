@@ -1,11 +1,13 @@
 """kp-norms: normalisation kernels in Triton with torch.nn.functional's signatures."""
 
 from kp_norms.functional import (
+    GLUFloat8,
     NormFloat8,
     add_layer_norm,
     add_rms_norm,
     geglu,
     geglu_packed,
+    glu_float8,
     layer_norm,
     norm_float8,
     rms_norm,
@@ -18,6 +20,7 @@ from kp_norms.patch import patch, unpatch
 __version__ = "0.2.0"
 
 __all__ = [
+    "GLUFloat8",
     "GatedMLP",
     "LayerNorm",
     "NormFloat8",
@@ -26,6 +29,7 @@ __all__ = [
     "add_rms_norm",
     "geglu",
     "geglu_packed",
+    "glu_float8",
     "layer_norm",
     "norm_float8",
     "patch",

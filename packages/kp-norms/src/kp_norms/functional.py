@@ -12,7 +12,7 @@ import torch
 import kp_core
 from kp_core.activation import Activation, by_name
 from kp_core.float8 import FP8_DTYPES
-from kp_norms.ops.glu import GLU, GLU_PACKED
+from kp_norms.ops.glu import GLU, GLU_FLOAT8, GLU_PACKED
 from kp_norms.ops.norm import ADD_NORM_, DTYPES, NORM, NORM_FLOAT8
 from kp_norms.ops.norm import FP8_DTYPES as FP8_INPUT_DTYPES
 
@@ -247,6 +247,15 @@ class NormFloat8(NamedTuple):
 GRANULARITIES = ("tensorwise", "rowwise")
 
 
+def _check_float8(name, float8_dtype, granularity, power_of_2) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"{name}: granularity must be 'tensorwise' or 'rowwise', got {granularity!r}")
+    if float8_dtype not in FP8_DTYPES:
+        raise TypeError(f"{name}: float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {float8_dtype}")
+    if not isinstance(power_of_2, bool):
+        raise TypeError(f"{name}: power_of_2 must be a bool, got {power_of_2!r}")
+
+
 def norm_float8(
     input: torch.Tensor,
     weight: Optional[torch.Tensor] = None,
@@ -272,12 +281,7 @@ def norm_float8(
     name = "kp_norms.norm_float8"
     if kind not in ("rms", "layer"):
         raise ValueError(f"{name}: kind must be 'rms' or 'layer', got {kind!r}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"{name}: granularity must be 'tensorwise' or 'rowwise', got {granularity!r}")
-    if float8_dtype not in FP8_DTYPES:
-        raise TypeError(f"{name}: float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {float8_dtype}")
-    if not isinstance(power_of_2, bool):
-        raise TypeError(f"{name}: power_of_2 must be a bool, got {power_of_2!r}")
+    _check_float8(name, float8_dtype, granularity, power_of_2)
     kp_core.check_tensor(name, "input", input, dtypes=FP8_INPUT_DTYPES, min_ndim=1)
     n_shape = _check(name, input, None, weight, bias, eps, residual)
     rms = kind == "rms"
@@ -366,3 +370,46 @@ def geglu_packed(input: torch.Tensor, approximate: str = "none") -> torch.Tensor
     """`geglu(*input.chunk(2, -1), approximate)` without copying the halves."""
     name = "kp_norms.geglu_packed"
     return _glu_packed(name, input, _gelu(name, approximate))
+
+
+class GLUFloat8(NamedTuple):
+    """glu_float8's result: `output` (act(gate) * up) and its float8 copy: `data` (the output's shape), `scale` and
+    `amax` (float32; rowwise: (*lead, 1), tensorwise: 0-d), with output ~ data * scale."""
+
+    output: torch.Tensor
+    data: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+
+
+GLU_ACTIVATIONS = {"silu": Activation.SILU, "gelu": Activation.GELU, "gelu_tanh": Activation.GELU_TANH}
+
+
+def glu_float8(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str = "silu",
+    *,
+    float8_dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: str = "tensorwise",
+    power_of_2: bool = False,
+) -> GLUFloat8:
+    """`act(gate) * up` (swiglu for "silu", geglu for "gelu" / "gelu_tanh"), its output also cast to float8 for
+    the float8 matmul that reads it next (an MLP's down projection): per row or per tensor, bit for bit
+    kp_precision.quantize of the output. The forward kernel leaves the output's amax and one more pass casts it
+    (the output is never read back for its amax). Gradients flow through `output` as through swiglu / geglu;
+    the float8 copy has none. float16, bfloat16 and float32 inputs."""
+    name = "kp_norms.glu_float8"
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"{name}: activation must be one of {tuple(GLU_ACTIVATIONS)}, got {activation!r}")
+    _check_float8(name, float8_dtype, granularity, power_of_2)
+    kp_core.check_tensor(name, "gate", gate, dtypes=FP8_INPUT_DTYPES, min_ndim=1)
+    kp_core.check_tensor(name, "up", up, dtypes=FP8_INPUT_DTYPES)
+    kp_core.check_same_dtype(name, "up", up, gate, "gate")
+    kp_core.check_same_device(name, gate=gate, up=up)
+    kp_core.check_shape(name, "up", up, gate.shape)
+    rowwise = granularity == "rowwise"
+    act = int(GLU_ACTIVATIONS[activation])
+    y, data, scale, amax = GLU_FLOAT8(gate, up, act, float8_dtype, rowwise, power_of_2)
+    shape = (*gate.shape[:-1], 1) if rowwise else ()
+    return GLUFloat8(y, data.view(float8_dtype), scale.view(shape), amax.view(shape))

@@ -284,10 +284,10 @@ def optimize(
     env = environment()
     result = Report(mode, env)
     cached = disk.load() if cache else {}
-    fresh, swaps, attention, norm_inputs = {}, [], [], {}
+    fresh, swaps, attention, inputs_of = {}, [], [], {}
     for site, cands in _sites(model, example_inputs, mode, allow, deny):
-        if site.kind in ("rms_norm", "layer_norm") and site.args:
-            norm_inputs[site.name] = site.args[0]
+        if site.kind in ("rms_norm", "layer_norm", "gated_mlp") and site.args:
+            inputs_of[site.name] = site.args[0]
         key = disk.key(env, mode, site.signature(), [c.name for c in cands])
         layer, passed, times = _layer(
             site, cands, mode, timer, cached.get(key, {}), loss_budget, min_speedup, check_rows
@@ -303,7 +303,7 @@ def optimize(
     if attention:
         swaps += _attention(attention, min_speedup)
     if swaps and _allowed_name("fusion", allow, deny):
-        swaps += _fusions(model, example_inputs, swaps, norm_inputs, timer, min_speedup, result)
+        swaps += _fusions(model, example_inputs, swaps, inputs_of, timer, min_speedup, result)
     if cache and fresh:
         disk.store(fresh)
     if swaps:
@@ -320,43 +320,52 @@ def _allowed_name(name: str, allow, deny) -> bool:
     return allow is None or any(fnmatch(name, p) for p in allow)
 
 
-FUSION = "norm + float8 cast"
+FUSION = "fused float8 cast"
 
 
-def _fusions(model, example_inputs, swaps, norm_inputs, timer, min_speedup, result) -> list[Swap]:
-    """With the chosen swaps in place, each kp norm that only float8 layers of one recipe read is checked fused
-    (kp.fusions.check: bit for bit) and timed against the norm plus the casts its readers make; the fused one is
-    kept when faster by min_speedup. Its row in the report is "<norm> -> float8"."""
+def _fusions(model, example_inputs, swaps, inputs_of, timer, min_speedup, result) -> list[Swap]:
+    """With the chosen swaps in place, each kp norm that only float8 layers of one recipe read, and each kp gated
+    MLP with a float8 down projection, is checked fused (kp.fusions.check: bit for bit) and timed against the
+    unfused forward (a norm: with the casts its readers make); the fused one is kept when faster by min_speedup.
+    Its row in the report is "<module> -> float8"."""
     _apply(model, swaps)
     try:
-        found = fusions.readers(model, example_inputs)
+        found = fusions.fusable(model, example_inputs)
     finally:
         restore(model)
     out = []
     for f in found:
-        x = norm_inputs.get(f.norm)
+        x = inputs_of.get(f.name)
         if x is None:
             continue
-        name = f"{f.norm} -> float8"
-        unfused_label = f"norm + {len(f.readers)} float8 {f.granularity} casts"
+        name = f"{f.name} -> float8"
         refused = fusions.check(f, x)
         if refused is not None:
             tried = [Tried(FUSION, "refused", error=refused)]
-            result.layers.append(Layer(name, "fusion", None, tried, "torch", f"kept the norm alone: {refused}"))
+            result.layers.append(Layer(name, "fusion", None, tried, "torch", f"kept unfused: {refused}"))
             continue
-        fused = fusions.Float8Norm(f.module, f.granularity, f.power_of_2)
-        unfused_ms = timer(name, unfused_label, fusions.unfused_run(f, x))
-        fused_ms = timer(name, FUSION, fusions.fused_run(fused, x))
+        unfused = f"unfused, {len(f.readers)} float8 {f.granularity} reader(s)"
+        unfused_ms = timer(name, unfused, fusions.unfused_run(f, x))
+        fused_ms = timer(name, FUSION, fusions.fused_run(f.fused(), x))
         speedup = unfused_ms / fused_ms
         readers = ", ".join(r.rpartition(".")[2] for r in f.readers)
         tried = [Tried(FUSION, "slower", fused_ms, note=f"read by {readers}")]
-        choice, why = "torch", f"{FUSION} {speedup:.2f}x, below {min_speedup:.2f}x: kept the norm and the casts"
+        choice, why = "torch", f"{FUSION} {speedup:.2f}x, below {min_speedup:.2f}x: kept unfused"
         if speedup >= min_speedup:
-            tried[0].status, choice, why = "chosen", FUSION, f"{FUSION} {speedup:.2f}x the norm and its readers' casts"
-            swap = _module_swap(Site(f.norm, f.module, "fusion"), fused, unfused_ms - fused_ms)
-            out.append(dataclasses.replace(swap, name=name, depth=swap.depth + 0.5))  # after the norm's own swap
+            tried[0].status, choice, why = "chosen", FUSION, f"{FUSION} {speedup:.2f}x the unfused forward"
+            out.append(_fusion_swap(f, name, unfused_ms - fused_ms))
         result.layers.append(Layer(name, "fusion", unfused_ms, tried, choice, why))
     return out
+
+
+def _fusion_swap(f: fusions.Fusable, name: str, gain_ms: float) -> Swap:
+    """The fused module replaces f.module after every other swap inside it (a depth below its children's), built
+    then, so that it holds the children the other swaps chose (an MLP's float8 projections)."""
+
+    def apply(model: nn.Module, undo: list) -> None:
+        _module_swap(Site(f.name, f.module, "fusion"), f.fused(), gain_ms).apply(model, undo)
+
+    return Swap(name, f.name.count(".") + 1.5, gain_ms, apply)
 
 
 def _attention(layers: list[Layer], min_speedup: float) -> list[Swap]:

@@ -7,7 +7,11 @@
     dgate = dy * up * act'(gate)      dup = dy * act(gate)
 
 Computed in fp32 for fp16/bf16 inputs and in fp64 for fp32/fp64 ones, rounded once at the store. The backward
-recomputes act from gate: only gate and up are saved. The packed op takes one [..., 2H] tensor,
+recomputes act from gate: only gate and up are saved. kp::glu_float8 also returns y cast to float8 (kp_core.float8's
+cast, tensorwise or rowwise): the forward kernel leaves y's amax (atomic maxes: a row spans several programs) and
+_glu_cast_float8 casts y with it, so y is never read back for its amax; its backward is kp::glu's.
+
+The packed op takes one [..., 2H] tensor,
 `gate, up = input.chunk(2, -1)`; its halves are row-strided views read in place, and its backward writes both
 halves of one [..., 2H] gradient. Kernels: kp_norms.ops.glu_kernels; the activations' Triton forms are
 kp_core.activation_kernels, and the reference path (CPU without the interpreter, or KP_BACKEND=reference) takes
@@ -19,6 +23,7 @@ import functools
 import torch
 
 import kp_core
+from kp_core import float8
 from kp_core.activation import reference_with_grad
 
 if kp_core.has_triton():
@@ -30,6 +35,9 @@ OP = "kp::glu"
 OP_BWD = f"{OP}_backward"
 OP_PACKED = "kp::glu_packed"
 OP_PACKED_BWD = f"{OP_PACKED}_backward"
+OP_FP8 = "kp::glu_float8"
+OP_FP8_BWD = f"{OP_FP8}_backward"
+FP8_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the inputs a float8 output is made from
 PACKAGE = "kp-norms"
 SPEC = "glu"
 DTYPES = kp_core.FLOAT_DTYPES
@@ -75,28 +83,51 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- launchers: 2-D (rows, H) views with unit column stride; y / dg / du are written in place ----
 
 
-def _launch(op, kernel, backend, gate, tensors, act) -> None:
-    """One launch of `kernel` over gate's (rows, H) tiles; `tensors` are its (tensor, row stride) operands."""
+def _launch(op, kernel, backend, gate, tensors, consts, extra=(), tile="") -> None:
+    """One launch of `kernel` over gate's (rows, H) tiles (the tiles of `tile`, by default the kernel's own):
+    `tensors` are its (tensor, row stride) operands, `extra` its arguments after the sizes."""
     m, h = gate.shape
-    block_m, block_n, num_warps = _config(kernel.fn.__name__, m, h, backend == kp_core.INTERPRET)
+    block_m, block_n, num_warps = _config(tile or kernel.fn.__name__, m, h, backend == kp_core.INTERPRET)
     n_col_blocks = kp_core.cdiv(h, block_n)
     grid = kp_core.cdiv(m, block_m) * n_col_blocks
     kp_core.check_index_fits(op, "the launch grid (programs)", grid)
-    acc = tl.float32 if gate.dtype in (torch.float16, torch.bfloat16) else tl.float64
-    args = (*(a for t in tensors for a in (t, t.stride(0))), m, h, n_col_blocks)
-    kp_core.launch(
-        op, backend, kernel, (grid,), args, dict(BLOCK_M=block_m, BLOCK_N=block_n, ACT=act, ACC=acc), num_warps
-    )
+    args = (*(a for t in tensors for a in (t, t.stride(0))), m, h, n_col_blocks, *extra)
+    kp_core.launch(op, backend, kernel, (grid,), args, dict(BLOCK_M=block_m, BLOCK_N=block_n, **consts), num_warps)
 
 
-def _launch_forward(op, gate, up, y, act):
+def _act_consts(gate, act) -> dict:
+    return dict(ACT=act, ACC=tl.float32 if gate.dtype in (torch.float16, torch.bfloat16) else tl.float64)
+
+
+def _launch_forward(op, gate, up, y, act, fp8=None):
+    """y = act(gate) * up written in place; fp8: None, or (float8 dtype, rowwise, power_of_2, data (as y, rows),
+    scale, amax) for y's float8 copy, written in place (scale and amax (rows,) rowwise, 0-d tensorwise)."""
     backend = kp_core.choose_backend(op, gate)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
         acc = _acc_dtype(gate.dtype)
         y.copy_(reference_with_grad(gate.to(acc), act)[0] * up.to(acc))
+        if fp8 is not None:
+            dtype8, rowwise, pow2, data, scale, amax = fp8
+            yf = y.float()
+            amax.copy_(yf.abs().amax(dim=1) if rowwise else yf.abs().amax())
+            q = float8.multiplier(amax, dtype8, pow2)
+            data.copy_(float8.saturating_cast(yf, q[:, None] if rowwise else q, dtype8))
+            scale.copy_(torch.ones_like(q) / q)
         return
-    _launch(op, kernels._glu_fwd, backend, gate, (gate, up, y), act)
+    if fp8 is None:
+        _launch(op, kernels._glu_fwd, backend, gate, (gate, up, y), dict(**_act_consts(gate, act), FP8=0), (y,))
+        return
+    dtype8, rowwise, pow2, data, scale, amax = fp8
+    bits = torch.zeros(amax.shape, dtype=torch.int32, device=y.device)  # float32 bits, for atomic maxes
+    mode = kernels.ROW.value if rowwise else kernels.TENSOR.value
+    _launch(op, kernels._glu_fwd, backend, gate, (gate, up, y), dict(**_act_consts(gate, act), FP8=mode), (bits,))
+    soft = float8.soft_float8(backend)
+    cast = dict(ROWWISE=rowwise, FP8_MAX=float8.fp8_max(dtype8), FP8_EPS=float8.EPS, E5M2=dtype8 == torch.float8_e5m2)
+    q = data.view(torch.uint8) if soft else data
+    cast.update(SOFT=soft, POW2=pow2)
+    _launch(op, kernels._glu_cast_float8, backend, y, (y, q), cast, (scale, bits), tile="_glu_fwd")
+    amax.copy_(bits.view(torch.float32))
 
 
 def _launch_backward(op, dy, gate, up, dg, du, act):
@@ -109,7 +140,7 @@ def _launch_backward(op, dy, gate, up, dg, du, act):
         dg.copy_(dyf * up.to(acc) * da)
         du.copy_(dyf * a)
         return
-    _launch(op, kernels._glu_bwd, backend, gate, (dy, gate, up, dg, du), act)
+    _launch(op, kernels._glu_bwd, backend, gate, (dy, gate, up, dg, du), _act_consts(gate, act))
 
 
 def forward(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
@@ -128,6 +159,38 @@ def backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -
     if dg.numel():
         h = gate.shape[-1] if gate.dim() else 1
         _launch_backward(OP_BWD, *(_as_rows(t, h) for t in (dy, gate, up, dg, du)), act)
+    return dg, du
+
+
+def forward_float8(
+    gate: torch.Tensor, up: torch.Tensor, act: int, fp8: torch.dtype, rowwise: bool, power_of_2: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, data, scale, amax): forward's y and its float8 copy, data as uint8 (the float8 bytes: autograd and opcheck
+    take a float8 output for a differentiable one); scale and amax (rows,) rowwise, 0-d tensorwise."""
+    h = gate.shape[-1] if gate.dim() else 1
+    rows = gate.numel() // h if h else 0
+    y = gate.new_empty(gate.shape)
+    data = torch.empty(gate.shape, dtype=fp8, device=gate.device)
+    shape = (rows,) if rowwise else ()
+    scale, amax = (torch.empty(shape, dtype=torch.float32, device=gate.device) for _ in range(2))
+    if y.numel():
+        cast = (fp8, rowwise, power_of_2, data.view(-1, h), scale, amax)
+        _launch_forward(OP_FP8, _as_rows(gate, h), _as_rows(up, h), y.view(-1, h), act, cast)
+    else:  # every block empty: amax 0
+        amax.zero_()
+        scale.copy_(1.0 / float8.multiplier(amax, fp8, power_of_2))
+    return y, data.view(torch.uint8), scale, amax
+
+
+def backward_float8(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int, fp8: torch.dtype, rowwise: bool, power_of_2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """backward, for kp::glu_float8 (the float8 copy is not differentiable)."""
+    dg = gate.new_empty(gate.shape)
+    du = gate.new_empty(gate.shape)
+    if dg.numel():
+        h = gate.shape[-1] if gate.dim() else 1
+        _launch_backward(OP_FP8_BWD, *(_as_rows(t, h) for t in (dy, gate, up, dg, du)), act)
     return dg, du
 
 
@@ -165,6 +228,27 @@ GLU = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
+)
+
+
+def _float8_fake(gate, up, act, fp8, rowwise, power_of_2):
+    shape = (gate.numel() // gate.shape[-1] if gate.dim() and gate.shape[-1] else 0,) if rowwise else ()
+    scale, amax = (gate.new_empty(shape, dtype=torch.float32) for _ in range(2))  # two tensors, not one twice
+    return _like(gate), gate.new_empty(gate.shape, dtype=torch.uint8), scale, amax
+
+
+GLU_FLOAT8 = kp_core.op(
+    OP_FP8,
+    forward_float8,
+    _float8_fake,
+    backward=backward_float8,
+    backward_fake=lambda dy, gate, up, act, fp8, rowwise, power_of_2: (_like(gate), _like(gate)),
+    save=lambda args, outputs: args[:2],
+    grad_inputs=("gate", "up"),
+    differentiable_outputs=1,  # y; the float8 copy is not
+    package=PACKAGE,
+    spec=SPEC,
+    dtypes=FP8_DTYPES,
 )
 
 GLU_PACKED = kp_core.op(
