@@ -43,16 +43,18 @@ class Float8Tensor(NamedTuple):
         return DEQUANTIZE(self.data, self.scale, self.block[0], self.block[1], dtype)
 
 
-# x -> (its float8 copy, power_of_2, x._version when attached): entries go when x does.
+# x -> [its float8 copy, power_of_2, x._version when attached, takes left (None: any)]: entries go when x does.
 _ATTACHED = WeakIdKeyDictionary()
 
 
-def attach_float8(x: torch.Tensor, cast: Float8Tensor, *, power_of_2: bool = False) -> torch.Tensor:
+def attach_float8(x: torch.Tensor, cast: Float8Tensor, *, power_of_2: bool = False, uses: int | None = None):
     """Record `cast` (tensorwise or rowwise, with scales floored to powers of two when power_of_2) as x's float8
     copy and return x. A Float8Linear or Float8InferenceLinear whose recipe casts its input the same way (the
     granularity, float8_e4m3fn, power_of_2; dynamic scaling) then uses it instead of casting x. It must be what
     kp_precision.quantize(x, ...) gives, bit for bit: the layer does not check the values. The record lapses when x
-    is modified in place or freed; eager mode only (under torch.compile the layers cast, and inductor fuses it)."""
+    is modified in place or freed, or after `uses` layers took it (the copy is then freed with the last of them,
+    not kept as long as x is: a training step keeps x for the backward); eager mode only (under torch.compile the
+    layers cast, and inductor fuses the cast)."""
     name = "kp_precision.attach_float8"
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: x must be a tensor, got {type(x).__name__}")
@@ -60,20 +62,27 @@ def attach_float8(x: torch.Tensor, cast: Float8Tensor, *, power_of_2: bool = Fal
         raise TypeError(f"{name}: cast must be a tensorwise or rowwise Float8Tensor, got {cast!r:.80}")
     if cast.data.shape != x.shape:
         raise ValueError(f"{name}: cast's data must have x's shape {tuple(x.shape)}, got {tuple(cast.data.shape)}")
-    _ATTACHED[x] = (cast, bool(power_of_2), x._version)
+    if uses is not None and (not isinstance(uses, int) or isinstance(uses, bool) or uses < 1):
+        raise ValueError(f"{name}: uses must be a positive int or None, got {uses!r}")
+    _ATTACHED[x] = [cast, bool(power_of_2), x._version, uses]
     return x
 
 
 def attached_float8(x: torch.Tensor, block: tuple, dtype: torch.dtype, power_of_2: bool) -> Float8Tensor | None:
-    """x's attached float8 copy as (M, K) rows (scale (M, 1) rowwise) if it was cast as asked, else None."""
+    """x's attached float8 copy as (M, K) rows (scale (M, 1) rowwise) if it was cast as asked, else None; taking
+    it counts as one of its uses."""
     if torch.compiler.is_compiling():
         return None
     entry = _ATTACHED.get(x)
     if entry is None:
         return None
-    cast, pow2, version = entry
+    cast, pow2, version, uses = entry
     if x._version != version or tuple(cast.block) != block or cast.data.dtype != dtype or pow2 != power_of_2:
         return None
+    if uses is not None:
+        entry[3] = uses - 1
+        if uses == 1:
+            del _ATTACHED[x]
     k = x.shape[-1]
     scale = cast.scale if block == (0, 0) else cast.scale.reshape(-1, 1)
     amax = cast.amax if block == (0, 0) else cast.amax.reshape(-1, 1)

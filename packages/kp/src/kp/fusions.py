@@ -30,10 +30,11 @@ _BLOCKS = {"tensorwise": (0, 0), "rowwise": (1, 0)}
 
 class Float8Norm(nn.Module):
     """A kp norm whose output also comes cast to float8 (`granularity`, `power_of_2`), attached to the output for
-    the float8 layers that read it. It holds the norm's own parameters under the same names (the state_dict is the
+    the float8 layers that read it (`readers` of them: the copy is released after that many took it; None: kept
+    while the output lives). It holds the norm's own parameters under the same names (the state_dict is the
     norm's) and returns the norm's output bit for bit."""
 
-    def __init__(self, norm: nn.Module, granularity: str, power_of_2: bool):
+    def __init__(self, norm: nn.Module, granularity: str, power_of_2: bool, readers: int | None = None):
         super().__init__()
         if not isinstance(norm, NORMS) or len(norm.normalized_shape) != 1:
             raise TypeError(f"kp.Float8Norm: norm must be a kp_norms RMSNorm or LayerNorm over one dim, got {norm!r}")
@@ -44,14 +45,14 @@ class Float8Norm(nn.Module):
         self.bias = None if self.rms else norm.bias
         self.eps, self.normalized_shape = norm.eps, norm.normalized_shape
         self.offset, self.casting = (norm.offset, norm.casting) if self.rms else (0.0, "torch")
-        self.granularity, self.power_of_2 = granularity, bool(power_of_2)
+        self.granularity, self.power_of_2, self.readers = granularity, bool(power_of_2), readers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = dict(kind="rms", offset=self.offset, casting=self.casting) if self.rms else dict(kind="layer")
         cast = dict(granularity=self.granularity, power_of_2=self.power_of_2)
         out = kp_norms.norm_float8(x, self.weight, self.bias, self.eps, **kind, **cast)
         copy = kp_precision.Float8Tensor(out.data, out.scale, out.amax, _BLOCKS[self.granularity])
-        return kp_precision.attach_float8(out.output, copy, power_of_2=self.power_of_2)
+        return kp_precision.attach_float8(out.output, copy, power_of_2=self.power_of_2, uses=self.readers)
 
     def extra_repr(self) -> str:
         norm = "RMSNorm" if self.rms else "LayerNorm"
@@ -76,7 +77,7 @@ class Float8GatedMLP(nn.Module):
         cast = dict(granularity=self.granularity, power_of_2=self.power_of_2)
         out = kp_norms.glu_float8(self.gate_proj(x), self.up_proj(x), self.activation, **cast)
         copy = kp_precision.Float8Tensor(out.data, out.scale, out.amax, _BLOCKS[self.granularity])
-        return self.down_proj(kp_precision.attach_float8(out.output, copy, power_of_2=self.power_of_2))
+        return self.down_proj(kp_precision.attach_float8(out.output, copy, power_of_2=self.power_of_2, uses=1))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, float8 {self.granularity}, power_of_2={self.power_of_2}"
@@ -107,8 +108,10 @@ class Fusable:
     power_of_2: bool
 
     def fused(self) -> nn.Module:
-        kind = Float8GatedMLP if isinstance(self.module, kp_norms.GatedMLP) else Float8Norm
-        return kind(self.module, self.granularity, self.power_of_2)
+        if isinstance(self.module, kp_norms.GatedMLP):
+            return Float8GatedMLP(self.module, self.granularity, self.power_of_2)
+        # the copy is dropped once every reader took it (not kept with the output until the backward)
+        return Float8Norm(self.module, self.granularity, self.power_of_2, len(self.readers))
 
 
 def fusable(model: nn.Module, example_inputs: tuple) -> list[Fusable]:
