@@ -8,7 +8,8 @@ Every variant starts from the same bf16 weights and sees the same batches:
 - eager; torch.compile (each decoder layer compiled on its own: torchtitan's habit, and transformers keeps
   `is_causal` for SDPA that way); compile + torchao float8 (tensorwise and rowwise, torchao's own auto filter, the
   lm_head left out); Liger-Kernel's patch (RoPE, RMSNorm, SwiGLU; eager and compiled; run last, since its RoPE
-  patch is global to transformers' Llama module); kp.optimize (eager and compiled per layer).
+  patch is global to transformers' Llama module); kp.optimize (eager and compiled per layer; and eager without its
+  fusions across packages, to show what they add).
 - Per variant: ms per train step (forward, cross-entropy on the logits, backward, AdamW), tokens/s, peak memory
   above the weights and optimiser state, host CPU time per step (the Python thread's CPU time), and for the demo's
   model the mean loss of the last 20 of --steps steps on fixed synthetic data, against eager's. Every variant
@@ -66,6 +67,7 @@ def variants(gpu: bool) -> dict:
     """name -> build(model copy) -> the model to train; kp.optimize's report is kept on the model."""
     out = {"eager": lambda m: m, "kp.optimize": lambda m: m}
     if gpu:
+        out["kp.optimize, no fusion"] = lambda m: m  # what the fusions across packages add
         out["torch.compile"] = demo.compile_layers
         out["kp.optimize + compile"] = demo.compile_layers
         out["compile + torchao float8 tensorwise"] = _torchao("tensorwise")
@@ -104,8 +106,9 @@ def main() -> None:
             continue
         torch._dynamo.reset()  # every variant compiles the same layer code: a fresh cache each
         model = copy.deepcopy(base)
+        skip = (deny or []) + (["fusion"] if name.endswith("no fusion") else [])
         if name.startswith("kp.optimize"):
-            reports[name] = kp.optimize(model, (batch[0],), mode="train", deny=deny, report=False)
+            reports[name] = kp.optimize(model, (batch[0],), mode="train", deny=skip, report=False)
         try:
             model = build(model)
             row = dict(model=args.model, variant=name, **time_step(model, batch, iters, device))
@@ -119,7 +122,7 @@ def main() -> None:
         if data:
             fresh = copy.deepcopy(base)
             if name in reports:
-                kp.optimize(fresh, (batch[0],), mode="train", deny=deny, report=False)  # cached times: quick
+                kp.optimize(fresh, (batch[0],), mode="train", deny=skip, report=False)  # cached times: quick
             fresh = build(fresh)
             opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
             curve = [train_step(fresh, opt, b).item() for b in data]
