@@ -47,3 +47,20 @@ def saturating_cast(x: torch.Tensor, q: torch.Tensor, fp8: torch.dtype) -> torch
     mx = fp8_max(fp8)
     y = x.float() * q
     return torch.where(y.isnan(), y, y.clamp(-mx, mx)).to(fp8)
+
+
+def reference_cast(y: torch.Tensor, fp8: torch.dtype, rowwise: bool, power_of_2: bool):
+    """(data, scale, amax) of 2-D y cast per row (scale and amax (M,)) or per tensor (0-d), in PyTorch: the
+    reference path of the kernels that make a float8 copy of their output."""
+    yf = y.float()
+    if yf.numel() == 0:  # every block empty: amax 0
+        amax = yf.new_zeros((yf.shape[0],) if rowwise else ())
+    else:
+        amax = yf.abs().amax(dim=1) if rowwise else yf.abs().amax()
+    q = multiplier(amax, fp8, power_of_2)
+    return saturating_cast(yf, q[:, None] if rowwise else q, fp8), torch.ones_like(q) / q, amax
+
+
+def cast_constexprs(fp8: torch.dtype, power_of_2: bool, soft: bool) -> dict:
+    """The constexprs of a kernel that casts with kp_core.float8_kernels: FP8_MAX, FP8_EPS, E5M2, SOFT, POW2."""
+    return dict(FP8_MAX=fp8_max(fp8), FP8_EPS=EPS, E5M2=fp8 == torch.float8_e5m2, SOFT=soft, POW2=power_of_2)

@@ -71,7 +71,7 @@ def attach_float8(x: torch.Tensor, cast: Float8Tensor, *, power_of_2: bool = Fal
 def attached_float8(x: torch.Tensor, block: tuple, dtype: torch.dtype, power_of_2: bool) -> Float8Tensor | None:
     """x's attached float8 copy as (M, K) rows (scale (M, 1) rowwise) if it was cast as asked, else None; taking
     it counts as one of its uses."""
-    if torch.compiler.is_compiling():
+    if not _ATTACHED or torch.compiler.is_compiling():  # on every float8 layer's call: nothing attached, no lookup
         return None
     entry = _ATTACHED.get(x)
     if entry is None:

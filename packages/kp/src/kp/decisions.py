@@ -54,8 +54,8 @@ def _arguments(fn: str, model, example_inputs, mode, allow, deny, loss_budget, r
     return tuple(example_inputs)
 
 
-def _allowed(site: Site, c: Candidate, allow: Iterable[str] | None, deny: Iterable[str] | None) -> bool:
-    names = (c.name, c.family, site.name)
+def _allowed(names: Iterable[str], allow: Iterable[str] | None, deny: Iterable[str] | None) -> bool:
+    """Whether allow / deny leave in what these names (a candidate's, its family's, its layer's) name."""
     if deny and any(fnmatch(n, p) for p in deny for n in names):
         return False
     return allow is None or any(fnmatch(n, p) for p in allow for n in names)
@@ -70,7 +70,7 @@ def _sites(model: nn.Module, example_inputs: tuple, mode: str, allow, deny) -> l
             kinds[name] = kind
     out = []
     for site in capture(model, example_inputs, kinds):
-        cands = [c for c in candidates(site.kind, mode) if _allowed(site, c, allow, deny)]
+        cands = [c for c in candidates(site.kind, mode) if _allowed((c.name, c.family, site.name), allow, deny)]
         if cands:
             out.append((site, cands))
     return out
@@ -302,7 +302,7 @@ def optimize(
             swaps.append(_module_swap(site, passed[layer.choice], gain))
     if attention:
         swaps += _attention(attention, min_speedup)
-    if swaps and _allowed_name("fusion", allow, deny):
+    if swaps and _allowed(("fusion",), allow, deny):
         swaps += _fusions(model, example_inputs, swaps, inputs_of, timer, min_speedup, result)
     if cache and fresh:
         disk.store(fresh)
@@ -312,12 +312,6 @@ def optimize(
     if report:
         print(result.text())
     return result
-
-
-def _allowed_name(name: str, allow, deny) -> bool:
-    if deny and any(fnmatch(name, p) for p in deny):
-        return False
-    return allow is None or any(fnmatch(name, p) for p in allow)
 
 
 FUSION = "fused float8 cast"

@@ -108,12 +108,9 @@ def _launch_forward(op, gate, up, y, act, fp8=None):
         acc = _acc_dtype(gate.dtype)
         y.copy_(reference_with_grad(gate.to(acc), act)[0] * up.to(acc))
         if fp8 is not None:
-            dtype8, rowwise, pow2, data, scale, amax = fp8
-            yf = y.float()
-            amax.copy_(yf.abs().amax(dim=1) if rowwise else yf.abs().amax())
-            q = float8.multiplier(amax, dtype8, pow2)
-            data.copy_(float8.saturating_cast(yf, q[:, None] if rowwise else q, dtype8))
-            scale.copy_(torch.ones_like(q) / q)
+            dtype8, rowwise, pow2, *outs = fp8
+            for out, value in zip(outs, float8.reference_cast(y, dtype8, rowwise, pow2)):
+                out.copy_(value)
         return
     if fp8 is None:
         _launch(op, kernels._glu_fwd, backend, gate, (gate, up, y), dict(**_act_consts(gate, act), FP8=0), (y,))
@@ -123,9 +120,8 @@ def _launch_forward(op, gate, up, y, act, fp8=None):
     mode = kernels.ROW.value if rowwise else kernels.TENSOR.value
     _launch(op, kernels._glu_fwd, backend, gate, (gate, up, y), dict(**_act_consts(gate, act), FP8=mode), (bits,))
     soft = float8.soft_float8(backend)
-    cast = dict(ROWWISE=rowwise, FP8_MAX=float8.fp8_max(dtype8), FP8_EPS=float8.EPS, E5M2=dtype8 == torch.float8_e5m2)
+    cast = dict(ROWWISE=rowwise, **float8.cast_constexprs(dtype8, pow2, soft))
     q = data.view(torch.uint8) if soft else data
-    cast.update(SOFT=soft, POW2=pow2)
     _launch(op, kernels._glu_cast_float8, backend, y, (y, q), cast, (scale, bits), tile="_glu_fwd")
     amax.copy_(bits.view(torch.float32))
 

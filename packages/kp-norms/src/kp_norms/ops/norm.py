@@ -117,18 +117,6 @@ def _reference_norm(s, weight, bias, eps, rms, offset, round_n, act):
     return y, mean, rstd
 
 
-def _reference_cast(y, fp8, rowwise, power_of_2):
-    """(data, scale, amax) of y (2-D) cast to float8 per row (scale and amax (M,)) or per tensor (0-d)."""
-    yf = y.float()
-    if yf.numel() == 0:  # every block empty: amax 0
-        amax = yf.new_zeros((yf.shape[0],) if rowwise else ())
-    else:
-        amax = yf.abs().amax(dim=1) if rowwise else yf.abs().amax()
-    q = float8.multiplier(amax, fp8, power_of_2)
-    data = float8.saturating_cast(yf, q[:, None] if rowwise else q, fp8)
-    return data, torch.ones_like(q) / q, amax
-
-
 def _reference_backward(dy, ds, s, weight, bias, eps, rms, offset, round_n, act):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() if t is not None else None for t in (s, weight, bias)]
@@ -171,8 +159,8 @@ def _forward_plan(dtype, n, rms, has_r, has_w, has_b, offset, round_n, act, stat
     )
     if cfg.looped:
         return kernels._norm_fwd_looped, 0, kp_core.Constexprs(BLOCK_N=cfg.block_cols, **switches), cfg.num_warps
-    cast = dict(FP8_MAX=float8.fp8_max(dtype8), FP8_EPS=float8.EPS, E5M2=dtype8 == torch.float8_e5m2, SOFT=soft)
-    consts = kp_core.Constexprs(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches, **cast, POW2=pow2)
+    cast = float8.cast_constexprs(dtype8, pow2, soft)
+    consts = kp_core.Constexprs(BLOCK_M=cfg.block_rows, BLOCK_N=cfg.block_cols, **switches, **cast)
     return kernels._norm_fwd, cfg.block_rows, consts, cfg.num_warps
 
 
@@ -180,8 +168,8 @@ def _forward_plan(dtype, n, rms, has_r, has_w, has_b, offset, round_n, act, stat
 def _cast_plan(n, rowwise, dtype8, pow2, soft):
     """(constexprs, num_warps) of _cast_float8."""
     block_n = min(CAST_BLOCK_N, kp_core.next_power_of_2(n))
-    cast = dict(FP8_MAX=float8.fp8_max(dtype8), FP8_EPS=float8.EPS, E5M2=dtype8 == torch.float8_e5m2, SOFT=soft)
-    return kp_core.Constexprs(BLOCK_N=block_n, ROWWISE=rowwise, **cast, POW2=pow2), 4 if block_n <= 1024 else 8
+    cast = float8.cast_constexprs(dtype8, pow2, soft)
+    return kp_core.Constexprs(BLOCK_N=block_n, ROWWISE=rowwise, **cast), 4 if block_n <= 1024 else 8
 
 
 class BackwardPlan(NamedTuple):
@@ -246,7 +234,7 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
             s_out.copy_(s)
             s = s_out
         y, mean, rstd = _reference_norm(s, weight, bias, eps, rms, offset, round_n, act)
-        cast = None if fp8 is None else _reference_cast(y, *fp8)
+        cast = None if fp8 is None else float8.reference_cast(y, *fp8)
         return y, (s if has_r else None), mean, rstd, cast
     m, n = x.shape
     x = _rows(x)
@@ -293,7 +281,7 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
         kp_core.launch(op, backend, kernel, (m,), (*args, q_amax, n, *eps_args), consts, num_warps)
     else:
         grid = (kp_core.cdiv(m, block_rows),)
-        q_args = (q_bits, q_bits.stride(0) if q_bits.dim() == 2 else 0, q_scale, q_amax)
+        q_args = (q_bits, q_bits.stride(0), q_scale, q_amax)
         kp_core.launch(op, backend, kernel, grid, (*args, *q_args, m, n, *eps_args), consts, num_warps)
     if fp8 is not None:
         if block_rows == 0 or not rowwise:  # the cast from the amax the norm kernel left
