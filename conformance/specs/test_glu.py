@@ -364,6 +364,21 @@ def test_float8_conversions_agree(fp8):
             check_float8(act, drawn[0][3:4], drawn[1][3:4], granularity, fp8, False)
 
 
+@pytest.mark.conformance(kernel="glu", prop="zero_size")
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_float8_zero_size(granularity):
+    """Empty inputs, empty rows included: no launch, and the scale and amax of the recipe's cast (amax 0)."""
+    for shape in [(0, 8), (3, 0), (2, 0, 5), (4, 3, 0)]:
+        gate, up = (torch.ones(shape, device=DEVICE) for _ in range(2))
+        with kp_core.record_launches() as rec:
+            out = kp_norms.glu_float8(gate, up, granularity=granularity)
+        assert rec.backends() <= {kp_core.REFERENCE}, f"an empty input launched {rec.launches}"
+        data, scale, amax = quantize_fp8(out.output, torch.float8_e4m3fn, granularity)
+        assert out.output.shape == out.data.shape == gate.shape
+        bits_equal("scale", out.scale, scale)
+        bits_equal("amax", out.amax, amax)
+
+
 @pytest.mark.conformance(kernel="glu", prop="opcheck")
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 def test_opcheck_float8(granularity):

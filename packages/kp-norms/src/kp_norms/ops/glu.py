@@ -19,6 +19,7 @@ the same formulas in PyTorch from kp_core.activation.
 """
 
 import functools
+import math
 
 import torch
 
@@ -163,8 +164,8 @@ def forward_float8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, data, scale, amax): forward's y and its float8 copy, data as uint8 (the float8 bytes: autograd and opcheck
     take a float8 output for a differentiable one); scale and amax (rows,) rowwise, 0-d tensorwise."""
-    h = gate.shape[-1] if gate.dim() else 1
-    rows = gate.numel() // h if h else 0
+    h = gate.shape[-1]
+    rows = math.prod(gate.shape[:-1])  # a row even when it is empty (h = 0)
     y = gate.new_empty(gate.shape)
     data = torch.empty(gate.shape, dtype=fp8, device=gate.device)
     shape = (rows,) if rowwise else ()
@@ -172,9 +173,8 @@ def forward_float8(
     if y.numel():
         cast = (fp8, rowwise, power_of_2, data.view(-1, h), scale, amax)
         _launch_forward(OP_FP8, _as_rows(gate, h), _as_rows(up, h), y.view(-1, h), act, cast)
-    else:  # every block empty: amax 0
-        amax.zero_()
-        scale.copy_(1.0 / float8.multiplier(amax, fp8, power_of_2))
+    else:  # no launch: every block empty, amax 0
+        _, scale, amax = float8.reference_cast(y.view(rows, h), fp8, rowwise, power_of_2)
     return y, data.view(torch.uint8), scale, amax
 
 
@@ -228,7 +228,7 @@ GLU = kp_core.op(
 
 
 def _float8_fake(gate, up, act, fp8, rowwise, power_of_2):
-    shape = (gate.numel() // gate.shape[-1] if gate.dim() and gate.shape[-1] else 0,) if rowwise else ()
+    shape = (math.prod(gate.shape[:-1]),) if rowwise else ()
     scale, amax = (gate.new_empty(shape, dtype=torch.float32) for _ in range(2))  # two tensors, not one twice
     return _like(gate), gate.new_empty(gate.shape, dtype=torch.uint8), scale, amax
 
