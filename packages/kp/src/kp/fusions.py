@@ -20,12 +20,17 @@ from torch import nn
 import kp_norms
 import kp_precision
 from kp.sites import run_hooked
-from kp_precision.float8 import attached_float8
+from kp_precision.float8 import GRANULARITIES, attached_float8
 from kp_precision.shared import cast
 
 NORMS = (kp_norms.RMSNorm, kp_norms.LayerNorm)
-FLOAT8 = (kp_precision.Float8Linear, kp_precision.Float8InferenceLinear)
-_BLOCKS = {"tensorwise": (0, 0), "rowwise": (1, 0)}
+_BLOCKS = {name: block for block, name in GRANULARITIES.items()}  # "tensorwise" -> (0, 0), "rowwise" -> (1, 0)
+
+
+def _attach(out, granularity: str, power_of_2: bool, uses: int | None) -> torch.Tensor:
+    """out.output (a kp_norms NormFloat8 / GLUFloat8) with its float8 copy attached for the layers that read it."""
+    copy = kp_precision.Float8Tensor(out.data, out.scale, out.amax, _BLOCKS[granularity])
+    return kp_precision.attach_float8(out.output, copy, power_of_2=power_of_2, uses=uses)
 
 
 class Float8Norm(nn.Module):
@@ -51,8 +56,7 @@ class Float8Norm(nn.Module):
         kind = dict(kind="rms", offset=self.offset, casting=self.casting) if self.rms else dict(kind="layer")
         cast = dict(granularity=self.granularity, power_of_2=self.power_of_2)
         out = kp_norms.norm_float8(x, self.weight, self.bias, self.eps, **kind, **cast)
-        copy = kp_precision.Float8Tensor(out.data, out.scale, out.amax, _BLOCKS[self.granularity])
-        return kp_precision.attach_float8(out.output, copy, power_of_2=self.power_of_2, uses=self.readers)
+        return _attach(out, self.granularity, self.power_of_2, self.readers)
 
     def extra_repr(self) -> str:
         norm = "RMSNorm" if self.rms else "LayerNorm"
@@ -76,8 +80,7 @@ class Float8GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cast = dict(granularity=self.granularity, power_of_2=self.power_of_2)
         out = kp_norms.glu_float8(self.gate_proj(x), self.up_proj(x), self.activation, **cast)
-        copy = kp_precision.Float8Tensor(out.data, out.scale, out.amax, _BLOCKS[self.granularity])
-        return self.down_proj(kp_precision.attach_float8(out.output, copy, power_of_2=self.power_of_2, uses=1))
+        return self.down_proj(_attach(out, self.granularity, self.power_of_2, uses=1))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, float8 {self.granularity}, power_of_2={self.power_of_2}"

@@ -151,11 +151,15 @@ def forward(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
 
 def backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dgate, dup)."""
+    return _backward(OP_BWD, dy, gate, up, act)
+
+
+def _backward(op, dy, gate, up, act):
     dg = gate.new_empty(gate.shape)
     du = gate.new_empty(gate.shape)
     if dg.numel():
         h = gate.shape[-1] if gate.dim() else 1
-        _launch_backward(OP_BWD, *(_as_rows(t, h) for t in (dy, gate, up, dg, du)), act)
+        _launch_backward(op, *(_as_rows(t, h) for t in (dy, gate, up, dg, du)), act)
     return dg, du
 
 
@@ -182,12 +186,7 @@ def backward_float8(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int, fp8: torch.dtype, rowwise: bool, power_of_2: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """backward, for kp::glu_float8 (the float8 copy is not differentiable)."""
-    dg = gate.new_empty(gate.shape)
-    du = gate.new_empty(gate.shape)
-    if dg.numel():
-        h = gate.shape[-1] if gate.dim() else 1
-        _launch_backward(OP_FP8_BWD, *(_as_rows(t, h) for t in (dy, gate, up, dg, du)), act)
-    return dg, du
+    return _backward(OP_FP8_BWD, dy, gate, up, act)
 
 
 def forward_packed(x: torch.Tensor, act: int) -> torch.Tensor:
