@@ -15,6 +15,9 @@ Every variant starts from the same bf16 weights and sees the same batches:
   model the mean loss of the last 20 of --steps steps on fixed synthetic data, against eager's. Every variant
   computes the loss from the logits the same way (no fused linear cross-entropy in any of them).
 kp.optimize's own time and its report (what it chose per layer and why) go into the markdown.
+Results are written after every variant, so a run cut short keeps what it measured. With --only, the rows of the
+other variants from the last run on this device are kept (each row carries its time of measurement), so a long
+table can be measured in several calls.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
+import time
 
 import demo
 import harness
@@ -99,7 +104,8 @@ def main() -> None:
     tokens = cfg["batch"] * cfg["seq"]
     print(f"{what}: {sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters, {tokens} tokens per step")
 
-    rows, reports = [], {}
+    meta = {"kernel": f"e2e_{args.model}", "model": what, "dtype": "bf16", "tokens_per_step": tokens, "steps": steps}
+    rows = [] if args.smoke else kept_rows(meta["kernel"], args.only)
     deny = ["float8", "sparsity"] if args.smoke else None  # interpreted float8 matmuls take minutes
     for name, build in variants(not args.smoke).items():
         if args.only and name not in args.only:
@@ -107,8 +113,9 @@ def main() -> None:
         torch._dynamo.reset()  # every variant compiles the same layer code: a fresh cache each
         model = copy.deepcopy(base)
         skip = (deny or []) + (["fusion"] if name.endswith("no fusion") else [])
+        report = None
         if name.startswith("kp.optimize"):
-            reports[name] = kp.optimize(model, (batch[0],), mode="train", deny=skip, report=False)
+            report = kp.optimize(model, (batch[0],), mode="train", deny=skip, report=False)
         try:
             model = build(model)
             row = dict(model=args.model, variant=name, **time_step(model, batch, iters, device))
@@ -116,41 +123,58 @@ def main() -> None:
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}")
             continue
         row["tokens_per_s"] = tokens / row["ms"] * 1e3
-        if name in reports:
-            row["optimize_s"] = reports[name].seconds
-            row["chosen"] = reports[name].chosen
+        row["measured"] = time.strftime("%Y-%m-%d %H:%M")
+        if report is not None:
+            row.update(optimize_s=report.seconds, chosen=report.chosen, report=report.text())
         if data:
             fresh = copy.deepcopy(base)
-            if name in reports:
+            if report is not None:
                 kp.optimize(fresh, (batch[0],), mode="train", deny=skip, report=False)  # cached times: quick
             fresh = build(fresh)
             opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
             curve = [train_step(fresh, opt, b).item() for b in data]
             row["final_loss"] = sum(curve[-20:]) / len(curve[-20:])
             del fresh, opt
-        rows.append(row)
+        rows = [r for r in rows if r["variant"] != name] + [row]
         print(
             f"{name:38s} {row['ms']:8.2f} ms  {row['tokens_per_s']:9.0f} tok/s  host {row['host_ms']:7.2f} ms  "
             f"peak {row['peak_mib']:7.0f} MiB" + (f"  loss {row['final_loss']:.4f}" if "final_loss" in row else ""),
             flush=True,
         )
+        if report is not None:
+            print(f"{name}: chose {report.chosen or 'nothing'} in {report.seconds:.1f} s")
+        if not args.smoke:
+            publish(meta, rows, echo=False)
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.smoke:
-        for name, report in reports.items():
-            print(f"{name}: chose {report.chosen or 'nothing'} in {report.seconds:.1f} s")
-        return
-    meta = {"kernel": f"e2e_{args.model}", "model": what, "dtype": "bf16", "tokens_per_step": tokens, "steps": steps}
+    if not args.smoke:
+        publish(meta, rows, echo=True)
+
+
+def kept_rows(kernel: str, only) -> list[dict]:
+    """With --only, the other variants' rows of the last run on this device (in the order of variants())."""
+    path = harness.RESULTS / harness.device_slug() / f"{kernel}.json"
+    if not only or not path.exists():
+        return []
+    order = list(variants(True))
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["variant"] not in only and r["variant"] in order]
+    return sorted(rows, key=lambda r: order.index(r["variant"]))
+
+
+def publish(meta: dict, rows: list[dict], echo: bool) -> None:
+    order = list(variants(True))
+    rows = sorted(rows, key=lambda r: order.index(r["variant"]))
     meta.update(harness.versions())
-    md = render(meta, rows, reports)
-    out = harness.write_results(f"e2e_{args.model}", meta, rows, md, lambda p: plot(rows, meta, p))
-    print(md)
-    print(f"wrote {out}")
+    md = render(meta, rows)
+    out = harness.write_results(meta["kernel"], meta, rows, md, lambda p: plot(rows, meta, p))
+    if echo:
+        print(md)
+        print(f"wrote {out}")
 
 
-def render(meta: dict, rows: list[dict], reports: dict) -> str:
+def render(meta: dict, rows: list[dict]) -> str:
     eager = next((r for r in rows if r["variant"] == "eager"), None)
     best_anchor = min((r["ms"] for r in rows if not r["variant"].startswith("kp")), default=None)
     lines = [
@@ -170,15 +194,11 @@ def render(meta: dict, rows: list[dict], reports: dict) -> str:
             f"| {r['variant']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {ratio} | {r['host_ms']:.2f} "
             f"| {r['peak_mib']:.0f} | {loss} | {rel} |"
         )
-    for name, report in reports.items():
-        lines += [
-            "",
-            f"## {name}: {report.seconds:.1f} s, {len(report.chosen)} layers changed",
-            "",
-            "```",
-            report.text(),
-            "```",
-        ]
+    for r in rows:
+        if "report" in r:
+            lines += ["", f"## {r['variant']}: {r['optimize_s']:.1f} s, {len(r['chosen'])} layers changed", ""]
+            lines += ["```", r["report"], "```"]
+    lines += ["", "Measured (UTC): " + ", ".join(f"{r['variant']} {r['measured']}" for r in rows) + "."]
     return "\n".join(lines) + "\n"
 
 
