@@ -2,6 +2,7 @@
 
     python benchmarks/bench_glu.py            # headline shapes + N sweep, writes results/<device>/glu.*
     python benchmarks/bench_glu.py --tune     # sweep kp's tile settings (kp_core.pin) on the headline shapes
+    python benchmarks/bench_glu.py --tune --float8    # the same for glu_float8's two kernels
     python benchmarks/bench_glu.py --float8   # glu_float8: the output with its float8 copy, forward
 
 gate and up are M x N each. GB/s counts the bytes the op must move: forward 3*M*N*elsize (read gate and up,
@@ -18,6 +19,7 @@ plain launches under do_bench (what a Python loop that does nothing else sees, C
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import harness
@@ -141,6 +143,32 @@ def tune() -> None:
             print(f"   {r[0]:7.0f}  {r[1]:2d}  {r[2]:4d}  {r[3]:2d}")
 
 
+def tune_float8() -> None:
+    """glu_float8's two kernels, one after the other: the forward's tiles (the cast at its default), then the
+    cast's (the forward at its best), each granularity on the headline shapes."""
+    for kernel in ("_glu_fwd_float8", "_glu_cast_float8"):
+        for (m, n), granularity in itertools.product(HEADLINE, ("tensorwise", "rowwise")):
+            g, u = inputs(m, n, False, False)
+            results = []
+            for elements, block_n, warps in [(1024, 1024, 8)] + list(
+                itertools.product((2048, 4096, 8192, 16384), (1024, 2048, 4096), (4, 8, 16))
+            ):
+                if elements < block_n:
+                    continue
+                kp_core.pin(kernel, elements=elements, max_block_n=block_n, num_warps=warps)
+                with torch.no_grad():
+                    call = functools.partial(kp_norms.glu_float8, g, u, granularity=granularity)
+                    ms = harness.bench_graph_ms(call)
+                results.append((ms, elements // block_n, block_n, warps))
+            kp_core.unpin(kernel)
+            best = min(results)
+            kp_core.pin(kernel, elements=best[1] * best[2], max_block_n=best[2], num_warps=best[3])
+            print(f"tune {kernel} {m}x{n} {granularity} (default {glu_mod.TILES[kernel]}): ms, block_m, block_n, warps")
+            for r in sorted(results)[:5]:
+                print(f"   {r[0]:.4f}  {r[1]:2d}  {r[2]:4d}  {r[3]:2d}")
+    kp_core.unpin()
+
+
 def float8_providers(n: int, granularity: str) -> dict:
     """name -> fn(g, u): swiglu's output and its float8 copy ("kp": glu_float8)."""
     import kp_precision
@@ -183,7 +211,7 @@ def main() -> None:
     args = parser.parse_args()
     harness.require_gpu()
     if args.tune:
-        tune()
+        tune_float8() if args.float8 else tune()
         return
     copy = harness.copy_bandwidth_gbps()
     print(f"device copy bandwidth this run: {copy:.0f} GB/s")

@@ -350,7 +350,9 @@ def test_float8_conversions_agree(fp8):
     rounding gets exact (under the interpreter too): gates of 32 or 64, where silu and gelu are the identity in
     float32, times ups the float8 format holds, with power-of-two scales; then power-of-two scales off with the
     default conversion on drawn inputs: 40 rows (several row blocks under the interpreter's big tiles too) of 1100
-    columns (two column blocks, masked lanes), one row all zero, and a single row."""
+    columns (two column blocks under the interpreter, one on a GPU; masked lanes), one row all zero, and a single
+    row; and the 40 rows again with both kernels' tiles pinned 512 wide, so that a row spans three programs (the
+    amax of each row, and of the tensor, merged by atomic max) on a GPU too."""
     g = torch.tensor([32.0, 64.0]).repeat(4, 550)
     u = torch.tensor([0.5, 1.0, 1.5, -2.0, 3.0, -0.75, 1.75, 0.25, -1.0, 0.375]).repeat(4, 110)
     gate, up = g.to(DEVICE, torch.float16), u.to(DEVICE, torch.float16)
@@ -362,6 +364,16 @@ def test_float8_conversions_agree(fp8):
                 check_float8(act, gate, up, granularity, fp8, True, soft)
             check_float8(act, *drawn, granularity, fp8, False)
             check_float8(act, drawn[0][3:4], drawn[1][3:4], granularity, fp8, False)
+            with narrow_tiles():
+                check_float8(act, *drawn, granularity, fp8, False)
+
+
+@contextlib.contextmanager
+def narrow_tiles():
+    """glu_float8's two kernels on tiles 512 columns wide (1024 elements; the interpreter keeps its own count)."""
+    with kp_core.pinned("_glu_fwd_float8", elements=1024, max_block_n=512, num_warps=4):
+        with kp_core.pinned("_glu_cast_float8", elements=1024, max_block_n=512, num_warps=4):
+            yield
 
 
 @pytest.mark.conformance(kernel="glu", prop="zero_size")

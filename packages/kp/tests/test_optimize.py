@@ -125,6 +125,16 @@ def test_cache_skips_the_timing_until_a_version_changes(monkeypatch):
     assert all(t.note == "cached time, not checked again" for layer in report.layers for t in layer.tried)
 
 
+def test_times_of_another_timer_are_not_reused():
+    """Times taken by one timer (here the set ones) are not served to another (kp.graph_timer, which off a GPU
+    times as default_timer does): the layers are timed again, and the model is still restored and optimised."""
+    model, x = block(DEVICE)
+    kp.optimize(model, (x,), deny=NO_FLOAT8, timer=FixedTimer({("*", "kp_norms.RMSNorm"): 0.5}), report=False)
+    report = kp.optimize(model, (x,), deny=NO_FLOAT8, timer=kp.graph_timer, report=False)
+    assert report.layers and not any(layer.cached for layer in report.layers)
+    assert all(layer.torch_ms > 0 for layer in report.layers)
+
+
 def test_never_slower_undoes_the_least_useful_choice_first():
     model, x = block(DEVICE)
     layers = {("*", "torch"): 1.0, ("norm", "kp_norms.RMSNorm"): 0.5, ("out_norm", "kp_norms.LayerNorm"): 0.9}

@@ -3,13 +3,14 @@ that passes its check in each layer of the model, on this GPU, and never makes t
 
     import kp
     report = kp.optimize(model, (batch,))      # in place; kp.restore(model) undoes it
+    kp.optimize(model, (batch,), timer=kp.graph_timer)   # for a model that will be compiled or graphed
     kp.check(model, (batch,))                  # the checks alone
 """
 
 from kp.cache import path as cache_path
 from kp.decisions import check, optimize, restore
 from kp.env import describe, environment
-from kp.measure import default_timer
+from kp.measure import default_timer, graph_timer
 from kp.report import Layer, Report, Tried
 
 __version__ = "0.1.0"
@@ -23,6 +24,7 @@ __all__ = [
     "default_timer",
     "describe",
     "environment",
+    "graph_timer",
     "optimize",
     "restore",
 ]

@@ -269,7 +269,9 @@ def optimize(
     "sparsity") and layer names ("model.layers.0.*"); deny wins. loss_budget: the relative error (L2, against
     float64) that a candidate changing the layer's function (float8, 2:4) may have in each output and gradient;
     lossless candidates must meet kp's conformance rule instead. min_speedup: how much faster a candidate must be
-    to replace PyTorch's layer. timer(layer, candidate, fn) -> ms replaces the built-in timing (CUDA events).
+    to replace PyTorch's layer. timer(layer, candidate, fn) -> ms replaces the built-in timing (CUDA events around
+    each call, the host's launch cost included); kp.graph_timer times the GPU's work alone, for a model that will
+    be compiled or run from CUDA graphs.
     check_rows: rows of each layer's input used for the float64 check. cache: reuse the times measured for the
     same layers, versions and GPU (file: kp.cache.path()); on a hit only the candidate about to be chosen is
     checked again."""
@@ -280,6 +282,7 @@ def optimize(
     if timer is not None and not callable(timer):
         raise TypeError(f"kp.optimize: timer must be callable(layer, candidate, fn) -> ms, got {timer!r}")
     timer = timer or default_timer
+    timing = getattr(timer, "__qualname__", type(timer).__qualname__)  # times of another timer are not reused
     restore(model)
     env = environment()
     result = Report(mode, env)
@@ -288,7 +291,7 @@ def optimize(
     for site, cands in _sites(model, example_inputs, mode, allow, deny):
         if site.kind in ("rms_norm", "layer_norm", "gated_mlp") and site.args:
             inputs_of[site.name] = site.args[0]
-        key = disk.key(env, mode, site.signature(), [c.name for c in cands])
+        key = disk.key(env, f"{mode} {timing}", site.signature(), [c.name for c in cands])
         layer, passed, times = _layer(
             site, cands, mode, timer, cached.get(key, {}), loss_budget, min_speedup, check_rows
         )

@@ -44,10 +44,17 @@ SPEC = "glu"
 DTYPES = kp_core.FLOAT_DTYPES
 # Elements per program and warps: ~4 elements a thread. Measured best on an H100 (bf16, 16384x14336 and 8192^2,
 # benchmarks/bench_glu.py --tune): bigger tiles (4-16K elements, 4-8 warps) lose 1-2% in the forward, nothing in
-# the backward. The interpreter runs programs one after another: 16x bigger tiles there are ~15x faster.
-TILES = {"_glu_fwd": dict(elements=1024, num_warps=8), "_glu_bwd": dict(elements=2048, num_warps=16)}
+# the backward. With a float8 copy the forward has its own tiles (fewer programs: fewer atomic maxes on the amax)
+# and so does the cast. The interpreter runs programs one after another: 16x bigger tiles there are ~15x faster
+# (the float8 kernels take the forward's, at most 1024 wide, so the specs' small cases span several blocks).
+TILES = {
+    "_glu_fwd": dict(elements=1024, num_warps=8),
+    "_glu_bwd": dict(elements=2048, num_warps=16),
+    "_glu_fwd_float8": dict(elements=4096, max_block_n=4096, num_warps=4),
+    "_glu_cast_float8": dict(elements=4096, max_block_n=2048, num_warps=4),
+}
 MAX_BLOCK_N = 1024
-INTERPRET_TILE_SCALE = 16
+INTERPRET_ELEMENTS = {"_glu_bwd": 16 * 2048}  # others: 16 * 1024
 
 
 def _config(kernel: str, m: int, h: int, interpret: bool) -> tuple[int, int, int]:
@@ -57,9 +64,10 @@ def _config(kernel: str, m: int, h: int, interpret: bool) -> tuple[int, int, int
 @functools.lru_cache(maxsize=1024)
 def _config_for(kernel: str, m: int, h: int, interpret: bool, _generation: int) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps) of a launch over an (m, h) problem; whole rows when narrow."""
-    s = kp_core.settings(kernel, **TILES[kernel], max_block_n=MAX_BLOCK_N)
-    elements = s["elements"] * (INTERPRET_TILE_SCALE if interpret else 1)
-    block_n = min(kp_core.next_power_of_2(h), s["max_block_n"])
+    s = kp_core.settings(kernel, **{"max_block_n": MAX_BLOCK_N, **TILES[kernel]})
+    elements = INTERPRET_ELEMENTS.get(kernel, 16 * 1024) if interpret else s["elements"]
+    max_n = min(s["max_block_n"], MAX_BLOCK_N) if interpret else s["max_block_n"]
+    block_n = min(kp_core.next_power_of_2(h), max_n)
     block_m = min(max(1, elements // block_n), kp_core.next_power_of_2(m))
     return block_m, block_n, s["num_warps"]
 
@@ -119,11 +127,12 @@ def _launch_forward(op, gate, up, y, act, fp8=None):
     dtype8, rowwise, pow2, data, scale, amax = fp8
     bits = torch.zeros(amax.shape, dtype=torch.int32, device=y.device)  # float32 bits, for atomic maxes
     mode = kernels.ROW.value if rowwise else kernels.TENSOR.value
-    _launch(op, kernels._glu_fwd, backend, gate, (gate, up, y), dict(**_act_consts(gate, act), FP8=mode), (bits,))
+    consts = dict(**_act_consts(gate, act), FP8=mode)
+    _launch(op, kernels._glu_fwd, backend, gate, (gate, up, y), consts, (bits,), tile="_glu_fwd_float8")
     soft = float8.soft_float8(backend)
     cast = dict(ROWWISE=rowwise, **float8.cast_constexprs(dtype8, pow2, soft))
     q = data.view(torch.uint8) if soft else data
-    _launch(op, kernels._glu_cast_float8, backend, y, (y, q), cast, (scale, bits), tile="_glu_fwd")
+    _launch(op, kernels._glu_cast_float8, backend, y, (y, q), cast, (scale, bits))
     amax.copy_(bits.view(torch.float32))
 
 

@@ -89,7 +89,9 @@ def _affine(
     return z
 
 
-@triton.jit
+# stride_q unspecialised: a float8 store known to be 16-byte aligned makes 16-wide vectors the layout of the
+# whole tile, which changes the order of the row sums, and y would no longer be kp::norm's bit for bit.
+@triton.jit(do_not_specialize=["stride_q"])
 def _norm_fwd(
     X,
     stride_x,
