@@ -4,6 +4,7 @@ reduction unless said otherwise, the same per-GPU batch. Three parts, each its o
     python benchmarks/bench_distributed.py scaling   # results/<device>/distributed.{json,md,png}
     python benchmarks/bench_distributed.py compose   # results/<device>/distributed-compose.{json,md,png}
     python benchmarks/bench_distributed.py versus    # results/<device>/distributed-versus.{json,md,png}
+    python benchmarks/bench_distributed.py e2e       # results/<device>/distributed-e2e.{json,md,png}
 
 scaling: tokens/s, scaling, peak memory and per-GPU parameter + optimizer state on 1 and 2 GPUs; a plain
 fully_shard loop on the same model; the 2-GPU loss curve against 1 GPU at the same global batch, with a float32
@@ -14,6 +15,10 @@ versus: kp's shard (explicit prefetch of 1 block, the default, and 0) against to
 fully_shard loop, written out by hand, on 2 GPUs; 80 steps each, interleaved over 4 rounds (`versus N`: N rounds,
 `versus N quick`: without prefetch 0): the spread between 30-step runs of one setup (up to 9 % on 2 x H200) was
 larger than the differences in question.
+e2e: torchtitan's recipe (FSDP2 + each block compiled + torchao float8 tensorwise with float8 all-gather, the head
+in bf16), the same without float8, and kp: kp_distributed.shard of the model kp.optimize chose for (every rank with
+rank 0's timings), eager, compiled, and compiled with its choices timed by kp.graph_timer; on 2 GPUs, or
+KP_E2E_GPUS.
 """
 
 from __future__ import annotations
@@ -85,6 +90,16 @@ PARTS = {
         ("plain fully_shard", 2, 4, ("--baseline",)),
     ],
 }
+E2E_GPUS = int(os.environ.get("KP_E2E_GPUS", "2"))  # 4 where the device lends them
+TORCHTITAN_FP8 = ("--baseline", "torchtitan", "--compile", "--fp8", "tensorwise", "--fp8-impl", "torchao")
+PARTS["e2e"] = [
+    ("torchtitan's recipe: FSDP2 + compile + torchao float8", E2E_GPUS, 4, (*TORCHTITAN_FP8, "--fp8-all-gather")),
+    ("torchtitan's recipe without float8: FSDP2 + compile", E2E_GPUS, 4, ("--baseline", "torchtitan", "--compile")),
+    ("kp shard + kp.optimize", E2E_GPUS, 4, ("--optimize",)),
+    ("kp shard + kp.optimize + compile", E2E_GPUS, 4, ("--optimize", "--compile")),
+    ("kp shard + kp.optimize (graph_timer) + compile", E2E_GPUS, 4, ("--optimize", "graph", "--compile")),
+]
+STEPS["e2e"] = 40
 ROUNDS = {"versus": 4}
 KILLED = "2 GPUs, rank 1 killed at step 15"
 
@@ -104,8 +119,13 @@ def main() -> None:
         for round_ in range(rounds):
             # each round starts one setup further on, so that no setup always runs first (after the idle gap)
             for name, gpus, batch, extra in setups[round_ % len(setups) :] + setups[: round_ % len(setups)]:
-                records, _ = run(gpus, batch, "--profile", str(PROFILED), *extra, tmp=tmp, steps=steps)
                 row = dict(provider=name, gpus=gpus, batch=batch, flags=" ".join(extra), round=round_)
+                try:
+                    records, _ = run(gpus, batch, "--profile", str(PROFILED), *extra, tmp=tmp, steps=steps)
+                except (RuntimeError, subprocess.TimeoutExpired) as err:  # reported: the other rows still count
+                    rows.append(dict(row, failed=str(err)[-1500:]))
+                    print(name, "failed:", str(err)[-600:], flush=True)
+                    continue
                 rows.append(dict(row, **summary(records, steps)))
                 print(name, {k: v for k, v in rows[-1].items() if k != "losses"}, flush=True)
         if part == "scaling":
@@ -125,7 +145,7 @@ def main() -> None:
 
 
 def render(meta: dict, rows: list[dict]) -> str:
-    one = rows[0]["tokens_per_s"]
+    one = next(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
     lines = [
         f"# kp_distributed ({meta['part']}), {meta['device']}",
         "",
@@ -152,6 +172,12 @@ def render(meta: dict, rows: list[dict]) -> str:
         lines += _killed(rows[-1])
     if meta["part"] == "versus":
         lines += _versus(rows)
+    if meta["part"] == "e2e":
+        lines += ["", "Last logged loss of each run (the same data and initial weights):", ""]
+        lines += [f"- {r['provider']}: {r['losses'][-1][1]:.4f}" for r in rows if r.get("losses")]
+    failed = [r for r in rows if "failed" in r]
+    for r in failed:
+        lines += ["", f"{r['provider']}: failed:", "", "```", r["failed"], "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -5,7 +5,8 @@
 Part 1, CPU cost per call. On tiny inputs the GPU work takes a few microseconds, so the wall time of a call
 (GPU drained before and after a loop of calls) is what the CPU spends: Python, checks, allocation, autograd,
 Triton's launcher. Each op is timed beside torch's own: norms and SwiGLU on 8 x 4096, attention on
-B1 S128 H8 D64 (causal), decode on B1 L1024 Hq32 Hkv8 D128 (q length 1); bf16. Columns: forward under
+B1 S128 H8 D64 (causal), decode on B1 L1024 Hq32 Hkv8 D128 (q length 1), kp_precision.Float8Linear
+(tensorwise and rowwise) beside a bf16 nn.Linear on 16 x 4096 -> 4096; bf16. Columns: forward under
 no_grad (inference), forward in grad mode, forward + backward. Providers alternate over several rounds and
 the median round is reported, so drift on a shared machine hits every provider alike.
 
@@ -125,6 +126,27 @@ def decode_cases():
     }, inputs
 
 
+def linear_cases():
+    """Float8Linear (dynamic scaling) beside a bf16 nn.Linear, 16 x 4096 -> 4096: a float8 linear's forward and
+    backward are a dozen kp ops (casts, transposes, scaled matmuls), each launched from Python."""
+    import kp_precision
+
+    base = torch.nn.Linear(N, N, bias=False, device="cuda", dtype=DTYPE)
+    cases = {"linear": base}
+    for recipe in ("tensorwise", "rowwise"):
+        config = kp_precision.Float8Config(recipe=recipe)
+        cases[f"float8_linear {recipe}"] = kp_precision.Float8Linear.from_linear(base, config=config)
+
+    def inputs():
+        return dict(x=_t(16, N, grad=True))
+
+    return {
+        name: {"kp": lambda i, m=m: m(i["x"]), "torch": lambda i: base(i["x"])}
+        for name, m in cases.items()
+        if name != "linear"
+    }, inputs
+
+
 def _backward(out):
     outs = out if isinstance(out, tuple) else (out,)
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
@@ -161,6 +183,7 @@ def cpu_cost(iters: int) -> list[dict]:
         (*norm_cases(), True),
         (*attention_cases(), True),
         (*decode_cases(), False),
+        (*linear_cases(), True),
     ):
         for op, provs in cases.items():
             calls = {name: _calls(fn, make(), trainable) for name, fn in provs.items()}
@@ -344,9 +367,12 @@ def profile(iters: int, top: int = 30) -> None:
     backward on its own device thread). Times are inflated by the profiler; the shares are what to read."""
     import cProfile
 
-    cases, make = norm_cases()
-    for op in ("rms_norm", "layer_norm"):
-        for mode, call in _calls(cases[op]["kp"], make(), True).items():
+    norms, make_norm = norm_cases()
+    linears, make_linear = linear_cases()
+    picked = [(norms[op], make_norm, op) for op in ("rms_norm", "layer_norm")]
+    picked += [(linears[op], make_linear, op) for op in linears]
+    for provs, make, op in picked:
+        for mode, call in _calls(provs["kp"], make(), True).items():
             for _ in range(20):
                 call()
             torch.cuda.synchronize()

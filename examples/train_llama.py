@@ -10,12 +10,15 @@ checkpoint sees the same data as an uninterrupted one. Rank 0 prints a line per
 run starts from --ckpt's latest complete checkpoint, which is what torchrun's restarts after a failure need.
 --die-at STEP makes rank 1 kill itself (SIGKILL) before that step on the first attempt: fault injection for tests.
 --kernels computes the norms, attention and SwiGLU with kp-norms' and kp-attention's kernels; --fp8 RECIPE runs
-the block's linears in float8 (kp-precision), and --fp8-all-gather all-gathers their weights in float8 too.
+the block's linears in float8 (kp-precision's, or torchao's with --fp8-impl torchao), and --fp8-all-gather
+all-gathers their weights in float8 too. --optimize runs kp.optimize on the model before it is sharded.
+--baseline torchtitan --compile --fp8 tensorwise --fp8-impl torchao --fp8-all-gather is torchtitan's recipe.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -134,6 +137,20 @@ def parse(argv=None):
     p.add_argument("--kernels", action="store_true", help="kp-norms' and kp-attention's kernels in the blocks")
     p.add_argument("--fp8", default="none", choices=("none", "tensorwise", "rowwise", "blockwise"))
     p.add_argument("--fp8-all-gather", action="store_true", help="all-gather the float8 weights in float8")
+    p.add_argument(
+        "--fp8-impl",
+        default="kp",
+        choices=("kp", "torchao"),
+        help="whose float8 linears --fp8 / --fp8-all-gather use: kp-precision's or torchao's (torchtitan's choice)",
+    )
+    p.add_argument(
+        "--optimize",
+        nargs="?",
+        const="events",
+        choices=("events", "graph"),
+        help="kp.optimize the model before sharding (every rank takes rank 0's timings: kp.rank0_timer); 'graph': "
+        "time the GPU's work alone (kp.graph_timer), for compiled blocks",
+    )
     p.add_argument("--profile", type=int, default=0, help="profile the last N steps: the overlap report")
     return p.parse_args(argv)
 
@@ -159,10 +176,10 @@ def local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def hand_sharded(model, mp, recipe):
+def hand_sharded(model, mp, recipe, compile_blocks=False):
     """The comparisons, written out by hand. plain: each block, then the root. torchtitan: its Llama recipe (as of
     2026): the embedding, each block, the final norm with the head (not resharded after the forward), the root; no
-    explicit prefetch."""
+    explicit prefetch. compile_blocks: each block compiled before it is sharded, as torchtitan does."""
     from torch.distributed.fsdp import fully_shard
 
     from kp_distributed.shard import mp_policy
@@ -171,6 +188,8 @@ def hand_sharded(model, mp, recipe):
     if recipe == "torchtitan":
         fully_shard(model.embed, mp_policy=policy, reshard_after_forward=True)
     for block in model.layers:
+        if compile_blocks:
+            block.compile()
         fully_shard(block, mp_policy=policy, reshard_after_forward=True)
     if recipe == "torchtitan":
         fully_shard([model.norm, model.head], mp_policy=policy, reshard_after_forward=False)
@@ -183,13 +202,38 @@ def build(args, device) -> nn.Module:
     torch.manual_seed(args.seed)  # the same initial weights on every rank, before sharding
     model = Llama(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.hidden, args.kernels).to(device)
     if args.fp8 != "none" or args.fp8_all_gather:
-        import kp_precision
-
         recipe = "tensorwise" if args.fp8 == "none" else args.fp8
-        config = kp_precision.Float8Config(recipe=recipe, fsdp_float8_all_gather=args.fp8_all_gather)
-        # the blocks' linears; the output head stays in the parameter dtype, as torchtitan's float8 recipe has it
-        kp_precision.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "head")
+        keep = lambda m, fqn: fqn != "head"  # noqa: E731 (the head stays in the parameter dtype, as torchtitan's)
+        if getattr(args, "fp8_impl", "kp") == "torchao":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            config = Float8LinearConfig.from_recipe_name(recipe)
+            if args.fp8_all_gather:
+                config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+            convert_to_float8_training(model, config=config, module_filter_fn=keep)
+        else:
+            import kp_precision
+
+            config = kp_precision.Float8Config(recipe=recipe, fsdp_float8_all_gather=args.fp8_all_gather)
+            kp_precision.convert_to_float8_training(model, config=config, module_filter_fn=keep)
     return model
+
+
+def optimized(model, args, rank, world, device, mp):
+    """kp.optimize on the whole (not yet sharded) model, at the dtype the blocks will compute in (the mixed
+    precision policy's), then its float32 weights back as they were. Every rank decides with rank 0's timings, so
+    every rank keeps the same modules."""
+    import kp
+
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}.get(mp[0], "float32")) if mp else torch.float32)
+    timer = kp.rank0_timer(kp.graph_timer if args.optimize == "graph" else None)
+    deny = None if device.type == "cuda" else ["float8", "sparsity"]  # interpreted float8 matmuls take minutes
+    example = batch(0, args, rank, world, device)[:, :-1]
+    report = kp.optimize(model, (example,), mode="train", deny=deny, cache=False, timer=timer, report=rank == 0)
+    model.to(torch.float32)
+    model.load_state_dict(weights)
+    return report
 
 
 def main(argv=None) -> None:
@@ -199,14 +243,18 @@ def main(argv=None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = build(args, device)
     precompute = None
-    if args.fp8_all_gather:
+    if args.fp8_all_gather and args.fp8_impl == "torchao":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as precompute
+    elif args.fp8_all_gather:
         import kp_precision
 
         precompute = kp_precision.precompute_float8_scales
     ac = None if args.ac == "none" else ("full" if args.ac == "full" else int(args.ac))
     mp = None if args.mp == "none" else tuple(args.mp.split(","))
+    if args.optimize:
+        optimized(model, args, rank, world, device, mp)
     if args.baseline:
-        model = hand_sharded(model, mp, args.baseline)
+        model = hand_sharded(model, mp, args.baseline, args.compile)
     else:
         model = kp_distributed.shard(
             model,

@@ -10,7 +10,7 @@ that passes its check in each layer of the model, on this GPU, and never makes t
 from kp.cache import path as cache_path
 from kp.decisions import check, optimize, restore
 from kp.env import describe, environment
-from kp.measure import default_timer, graph_timer
+from kp.measure import default_timer, graph_timer, rank0_timer
 from kp.report import Layer, Report, Tried
 
 __version__ = "0.1.0"
@@ -26,5 +26,6 @@ __all__ = [
     "environment",
     "graph_timer",
     "optimize",
+    "rank0_timer",
     "restore",
 ]

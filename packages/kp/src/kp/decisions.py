@@ -271,7 +271,7 @@ def optimize(
     lossless candidates must meet kp's conformance rule instead. min_speedup: how much faster a candidate must be
     to replace PyTorch's layer. timer(layer, candidate, fn) -> ms replaces the built-in timing (CUDA events around
     each call, the host's launch cost included); kp.graph_timer times the GPU's work alone, for a model that will
-    be compiled or run from CUDA graphs.
+    be compiled or run from CUDA graphs; kp.rank0_timer(timer) makes every rank of a job choose alike.
     check_rows: rows of each layer's input used for the float64 check. cache: reuse the times measured for the
     same layers, versions and GPU (file: kp.cache.path()); on a hit only the candidate about to be chosen is
     checked again."""
@@ -281,6 +281,11 @@ def optimize(
         raise ValueError(f"kp.optimize: min_speedup must be a number >= 1, got {min_speedup!r}")
     if timer is not None and not callable(timer):
         raise TypeError(f"kp.optimize: timer must be callable(layer, candidate, fn) -> ms, got {timer!r}")
+    if cache and getattr(timer, "collective", False):
+        raise ValueError(
+            "kp.optimize: a collective timer (kp.rank0_timer) needs cache=False: a rank's cache hit would skip a "
+            "timing the other ranks make"
+        )
     timer = timer or default_timer
     timing = getattr(timer, "__qualname__", type(timer).__qualname__)  # times of another timer are not reused
     restore(model)

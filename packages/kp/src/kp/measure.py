@@ -79,6 +79,28 @@ def graph_timer(site: str, candidate: str, fn: Callable[[], object]) -> float:
         del graph  # its memory pool back before the next candidate
 
 
+def rank0_timer(timer: Timer | None = None, group=None) -> Timer:
+    """A timer for kp.optimize run on every rank of a job (torch.distributed initialised, the same model and
+    example batch on each): every rank times fn with `timer` (default_timer) on its own device, and every rank
+    takes rank 0's figure (a broadcast), so every rank makes the same choices and keeps the same model, as
+    sharding it afterwards needs. Collective: kp.optimize refuses it with its disk cache on (a rank's cache hit
+    would skip a timing the other ranks make)."""
+    import torch.distributed as dist
+
+    inner = timer or default_timer
+
+    def timed(site: str, candidate: str, fn: Callable[[], object]) -> float:
+        ms = inner(site, candidate, fn)
+        nccl = dist.get_backend(group) == "nccl"
+        value = torch.tensor([ms], dtype=torch.float64, device="cuda" if nccl else "cpu")
+        dist.broadcast(value, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        return float(value.item())
+
+    timed.__qualname__ = f"rank0_timer({getattr(inner, '__qualname__', type(inner).__qualname__)})"
+    timed.collective = True
+    return timed
+
+
 def floats(value) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
