@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import time
 
 import demo
@@ -107,7 +106,7 @@ def main() -> None:
     print(f"{what}: {sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters, {tokens} tokens per step")
 
     meta = {"kernel": f"e2e_{args.model}", "model": what, "dtype": "bf16", "tokens_per_step": tokens, "steps": steps}
-    rows = [] if args.smoke else kept_rows(meta["kernel"], args.only)
+    rows = [] if args.smoke else harness.kept_rows(meta["kernel"], args.only, list(variants(True)))
     deny = ["float8", "sparsity"] if args.smoke else None  # interpreted float8 matmuls take minutes
     for name, build in variants(not args.smoke).items():
         if args.only and name not in args.only:
@@ -156,25 +155,10 @@ def main() -> None:
         publish(meta, rows, echo=True)
 
 
-def kept_rows(kernel: str, only) -> list[dict]:
-    """With --only, the other variants' rows of the last run on this device (in the order of variants())."""
-    path = harness.RESULTS / harness.device_slug() / f"{kernel}.json"
-    if not only or not path.exists():
-        return []
-    order = list(variants(True))
-    rows = [r for r in json.loads(path.read_text())["rows"] if r["variant"] not in only and r["variant"] in order]
-    return sorted(rows, key=lambda r: order.index(r["variant"]))
-
-
 def publish(meta: dict, rows: list[dict], echo: bool) -> None:
     order = list(variants(True))
     rows = sorted(rows, key=lambda r: order.index(r["variant"]))
-    meta.update(harness.versions())
-    md = render(meta, rows)
-    out = harness.write_results(meta["kernel"], meta, rows, md, lambda p: plot(rows, meta, p))
-    if echo:
-        print(md)
-        print(f"wrote {out}")
+    harness.publish(meta["kernel"], meta, rows, render, plot, echo=echo)
 
 
 def render(meta: dict, rows: list[dict]) -> str:

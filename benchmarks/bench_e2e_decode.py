@@ -92,7 +92,7 @@ def main() -> None:
     base.config.max_position_embeddings = max(contexts) + new
     base = base.to(device=device, dtype=torch.float32 if args.smoke else torch.bfloat16).eval()
     meta = {"kernel": f"e2e_decode_{args.model}", "model": what, "dtype": "bf16", "new_tokens": new}
-    rows = [] if args.smoke else kept_rows(meta["kernel"], args.only)
+    rows = [] if args.smoke else harness.kept_rows(meta["kernel"], args.only)
     skipped = [(b, c) for b in batches for c in contexts if b * c > args.max_tokens]
     cells = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
     eager_tokens = {}
@@ -151,21 +151,8 @@ def main() -> None:
         publish(meta, rows, skipped, echo=True)
 
 
-def kept_rows(kernel: str, only) -> list[dict]:
-    """With --only, the other variants' rows of the last run on this device."""
-    path = harness.RESULTS / harness.device_slug() / f"{kernel}.json"
-    if not only or not path.exists():
-        return []
-    return [r for r in json.loads(path.read_text())["rows"] if r["variant"] not in only]
-
-
 def publish(meta: dict, rows: list[dict], skipped: list, echo: bool) -> None:
-    meta.update(harness.versions())
-    md = render(meta, rows, skipped)
-    out = harness.write_results(meta["kernel"], meta, rows, md, lambda p: plot(rows, meta, p))
-    if echo:
-        print(md)
-        print(f"wrote {out}")
+    harness.publish(meta["kernel"], meta, rows, lambda m, r: render(m, r, skipped), plot, echo=echo)
 
 
 def render(meta: dict, rows: list[dict], skipped: list) -> str:
@@ -200,10 +187,11 @@ def render(meta: dict, rows: list[dict], skipped: list) -> str:
         lines.append(f"| {batch} | {context} | " + " | ".join(cols) + f" | {ratio} |")
     if skipped:
         lines += ["", "Skipped (KV cache above --max-tokens): " + ", ".join(f"{b} x {c}" for b, c in skipped) + "."]
-    chosen = {json.dumps(r["chosen"], sort_keys=True) for r in rows if "chosen" in r}
+    seen = set()  # each distinct set of choices once, at the first cell that made it
     for r in rows:
-        if "chosen" in r and json.dumps(r["chosen"], sort_keys=True) in chosen:
-            chosen.discard(json.dumps(r["chosen"], sort_keys=True))
+        key = json.dumps(r.get("chosen"), sort_keys=True)
+        if "chosen" in r and key not in seen:
+            seen.add(key)
             lines += [
                 "",
                 f"kp.optimize at batch {r['batch']}, context {r['context']} ({r['optimize_s']:.1f} s): "

@@ -128,14 +128,25 @@ def write_results(kernel: str, meta: dict, rows: list[dict], markdown: str, plot
     return out
 
 
-def publish(kernel: str, meta: dict, rows: list[dict], render, plot) -> None:
+def publish(kernel: str, meta: dict, rows: list[dict], render, plot, echo: bool = True) -> None:
     """The end of a benchmark: versions into meta, the markdown rendered, JSON + markdown + plot written, both
-    printed."""
+    printed (echo=False: written only, as the long benchmarks do after each part they measure)."""
     meta.update(versions())
     md = render(meta, rows)
     out = write_results(kernel, meta, rows, md, lambda p: plot(rows, meta, p))
-    print(md)
-    print(f"wrote {out}")
+    if echo:
+        print(md)
+        print(f"wrote {out}")
+
+
+def kept_rows(kernel: str, only, known=None) -> list[dict]:
+    """With --only VARIANT..., the rows of the other variants (of `known` ones, when given) from the last run of
+    `kernel` on this device, so that a long table can be measured in several calls; [] without --only."""
+    path = RESULTS / device_slug() / f"{kernel}.json"
+    if not only or not path.exists():
+        return []
+    rows = json.loads(path.read_text())["rows"]
+    return [r for r in rows if r["variant"] not in only and (known is None or r["variant"] in known)]
 
 
 def plot_grouped(rows: list[dict], path, group: str, value: str, ylabel: str, title: str) -> None:

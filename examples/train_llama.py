@@ -224,9 +224,10 @@ def optimized(model, args, rank, world, device, mp):
     precision policy's), then its float32 weights back as they were. Every rank decides with rank 0's timings, so
     every rank keeps the same modules."""
     import kp
+    from kp_distributed.shard import mp_policy
 
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}.get(mp[0], "float32")) if mp else torch.float32)
+    model.to(mp_policy(mp).param_dtype or torch.float32)
     timer = kp.rank0_timer(kp.graph_timer if args.optimize == "graph" else None)
     deny = None if device.type == "cuda" else ["float8", "sparsity"]  # interpreted float8 matmuls take minutes
     example = batch(0, args, rank, world, device)[:, :-1]

@@ -20,7 +20,7 @@ from kp import cache as disk
 from kp import fusions
 from kp.candidates import ATTENTION, Candidate, candidates, kind_of
 from kp.env import environment
-from kp.measure import Inputs, Timer, default_timer, floats, step, trainable, upstream
+from kp.measure import Inputs, Timer, default_timer, floats, step, timer_name, trainable, upstream
 from kp.measure import check as check_layer
 from kp.report import Layer, Report, Tried
 from kp.sites import Site, capture
@@ -287,7 +287,6 @@ def optimize(
             "timing the other ranks make"
         )
     timer = timer or default_timer
-    timing = getattr(timer, "__qualname__", type(timer).__qualname__)  # times of another timer are not reused
     restore(model)
     env = environment()
     result = Report(mode, env)
@@ -296,7 +295,7 @@ def optimize(
     for site, cands in _sites(model, example_inputs, mode, allow, deny):
         if site.kind in ("rms_norm", "layer_norm", "gated_mlp") and site.args:
             inputs_of[site.name] = site.args[0]
-        key = disk.key(env, f"{mode} {timing}", site.signature(), [c.name for c in cands])
+        key = disk.key(env, f"{mode} {timer_name(timer)}", site.signature(), [c.name for c in cands])
         layer, passed, times = _layer(
             site, cands, mode, timer, cached.get(key, {}), loss_budget, min_speedup, check_rows
         )

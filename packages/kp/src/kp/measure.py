@@ -21,6 +21,11 @@ from kp.sites import Site
 Timer = Callable[[str, str, Callable[[], object]], float]
 
 
+def timer_name(timer: Timer) -> str:
+    """What kp.optimize's cache keys times by (times taken by one timer are not served to another)."""
+    return getattr(timer, "__qualname__", type(timer).__qualname__)
+
+
 def default_timer(site: str, candidate: str, fn: Callable[[], object]) -> float:
     """Median of timed calls after warm-up: CUDA events on a GPU (about 25 ms of calls, 3 to 100 of them); wall
     time elsewhere, where the kernels run interpreted and the figure only orders candidates of one run."""
@@ -96,7 +101,7 @@ def rank0_timer(timer: Timer | None = None, group=None) -> Timer:
         dist.broadcast(value, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         return float(value.item())
 
-    timed.__qualname__ = f"rank0_timer({getattr(inner, '__qualname__', type(inner).__qualname__)})"
+    timed.__qualname__ = f"rank0_timer({timer_name(inner)})"
     timed.collective = True
     return timed
 
