@@ -132,19 +132,18 @@ def linear_cases():
     import kp_precision
 
     base = torch.nn.Linear(N, N, bias=False, device="cuda", dtype=DTYPE)
-    cases = {"linear": base}
-    for recipe in ("tensorwise", "rowwise"):
-        config = kp_precision.Float8Config(recipe=recipe)
-        cases[f"float8_linear {recipe}"] = kp_precision.Float8Linear.from_linear(base, config=config)
+    float8 = {
+        f"float8_linear {recipe}": kp_precision.Float8Linear.from_linear(
+            base, config=kp_precision.Float8Config(recipe=recipe)
+        )
+        for recipe in ("tensorwise", "rowwise")
+    }
 
     def inputs():
         return dict(x=_t(16, N, grad=True))
 
-    return {
-        name: {"kp": lambda i, m=m: m(i["x"]), "torch": lambda i: base(i["x"])}
-        for name, m in cases.items()
-        if name != "linear"
-    }, inputs
+    cases = {name: {"kp": lambda i, m=m: m(i["x"]), "torch": lambda i: base(i["x"])} for name, m in float8.items()}
+    return cases, inputs
 
 
 def _backward(out):
