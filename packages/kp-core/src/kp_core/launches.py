@@ -6,7 +6,8 @@ own dispatcher re-derives the specialisation, builds a cache key and checks glob
 least as fine as Triton's: per tensor its dtype and 16-byte alignment, per int its range class, whether it is
 1 and whether it divides by 16 (what Triton 3.2 to 3.9 specialise on), plus the constexprs and launch options.
 Under the interpreter, with a launch hook installed (profilers), or on a device that is not the current one,
-the call goes through Triton's JIT as usual.
+the call goes through Triton's JIT as usual. While torch.compile traces a launcher (kp_core.library), the
+kernel goes to inductor instead (torch.library.wrap_triton): nothing is launched or recorded then.
 """
 
 from __future__ import annotations
@@ -64,13 +65,26 @@ def note_launch(op: str, kernel: str, backend: str) -> None:
                 record.launches.append(launch)
 
 
+def _no_autograd_cache():
+    """AOTAutograd's cache keys a graph before kp's ops are traced into it (kp_core.library): while launches are
+    recorded, a graph compiled earlier with its kernels inlined must not come back from it (nor one compiled now
+    go into it)."""
+    try:
+        from torch._functorch import config
+
+        return config.patch(enable_autograd_cache=False)
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def record_launches() -> Iterator[LaunchRecord]:
     record = LaunchRecord()
     with _lock:
         _records.append(record)
     try:
-        yield record
+        with _no_autograd_cache():
+            yield record
     finally:
         with _lock:
             _records.remove(record)
@@ -90,6 +104,33 @@ _FAST = os.environ.get("KP_FAST_LAUNCH", "1") != "0"
 # A checker around every launch and every op call, or None (normal use). The conformance suite installs one
 # (kp_conformance.guard) to move kernel arguments into canary-guarded buffers and to catch writes to inputs.
 _guard = None
+
+
+# Non-zero while torch.compile traces an op's launcher into its graph (kp_core.library's inlining): launch() then
+# hands each kernel to inductor through torch.library.wrap_triton, and inductor launches it from its own code.
+_inlining = 0
+
+
+@contextlib.contextmanager
+def inlining() -> Iterator[None]:
+    global _inlining
+    _inlining += 1
+    try:
+        yield
+    finally:
+        _inlining -= 1
+
+
+def inlining_active() -> bool:
+    """Whether a launcher is being traced into a compiled graph now: its tensors are fake, so nothing about
+    them can be learnt by running a kernel or a library call."""
+    return _inlining > 0
+
+
+def inline_enabled() -> bool:
+    """Whether torch.compile may trace launchers into its graph: not with KP_INLINE=0, and not while launches
+    are recorded or a guard is installed (both need each launch to pass through Python)."""
+    return not _records and _guard is None and os.environ.get("KP_INLINE", "1") != "0"
 
 
 def set_guard(guard) -> object:
@@ -178,6 +219,9 @@ def launch(
     `args` are the runtime arguments in the kernel's order, `consts` its constexprs by name. The constexprs
     must follow the runtime arguments in the kernel's signature (kp's kernels are written that way). `plain`:
     always through Triton's own launcher, for arguments only it translates (TMA tensor descriptors)."""
+    if _inlining:
+        torch.library.wrap_triton(kernel)[grid](*args, **consts, **_options(num_warps, num_stages))
+        return
     if _guard is not None:
         _guard.launch(
             op,

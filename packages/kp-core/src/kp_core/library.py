@@ -26,10 +26,18 @@ under torch.compile it calls the custom op (one node, no graph break); in eager 
 dispatcher, which costs tens of microseconds a call, and runs the launchers through one shared
 `torch.autograd.Function`, or directly when no gradient is needed.
 
-`custom_op` rather than `triton_op`: on CPU under Triton's interpreter an op made with `triton_op` +
-`wrap_triton` fails `torch.compile(fullgraph=True)` and `opcheck` (fake-tensor / AOT dispatch), and on torch
-2.11 with CUDA a probe kernel behind `triton_op` failed opcheck's dynamic-shape gradient check. A `custom_op`
-passes both everywhere; the price is that Inductor calls it as a unit.
+Under torch.compile on a GPU the op does not stay a unit: when AOTAutograd functionalises the graph, the op's
+launcher is traced (what `torch.library.triton_op` does), and each kernel it launches goes to inductor through
+`torch.library.wrap_triton`. Inductor then launches kp's kernels from its own generated code, at its own host
+cost per kernel, instead of calling back into Python per op (about 50-100 us an op). The op stays a unit (a
+`custom_op` called from the graph) where tracing cannot work or must not: under Triton's interpreter (inductor
+cannot launch interpreted kernels), with symbolic shapes (the launchers' tile choices need concrete sizes), for
+an op declared `inline=False` (a launcher that reads tensor values on the host or passes TMA descriptors),
+while launches are recorded or a guard is installed (both need each launch to pass through Python), under
+torch.export (the exported program keeps the op), and with KP_INLINE=0.
+
+`custom_op` + this rule rather than `triton_op`: `triton_op` decides at declaration, and on CPU under Triton's
+interpreter an op made with it fails `torch.compile(fullgraph=True)` and `opcheck`.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kp_core import launches
+from kp_core import backend, launches
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class Op:
         same_grad: dict[str, str] | None = None,
         differentiable_outputs: int | None = None,
         mutates_args: Sequence[str] = (),
+        inline: bool = True,
     ):
         if (backward is None) != (save is None) or (backward is None) != (backward_fake is None):
             raise TypeError(f"{name}: backward, backward_fake and save are declared together")
@@ -110,6 +119,8 @@ class Op:
             name, _schema_outputs(forward, name, self._mutated), mutates_args=tuple(mutates_args)
         )
         self.op.register_fake(_schema_outputs(forward_fake))
+        if inline:
+            _inline_under_compile(self.op, forward)
         _REGISTRY[name] = KernelInfo(name, package, spec, tuple(dtypes), self.op)
         self.backward_op = None
         if backward is not None:
@@ -117,6 +128,8 @@ class Op:
                 f"{name}_backward", _schema_outputs(backward, f"{name}_backward"), mutates_args=()
             )
             self.backward_op.register_fake(_schema_outputs(backward_fake))
+            if inline:
+                _inline_under_compile(self.backward_op, backward)
             self.op.register_autograd(self._op_backward, setup_context=self._setup_context)
             _REGISTRY[f"{name}_backward"] = KernelInfo(
                 f"{name}_backward", package, spec, tuple(dtypes), self.backward_op
@@ -185,6 +198,48 @@ def _schema_outputs(fn: Callable, name: str | None = None, mutated: tuple = ()) 
         return out
 
     return impl
+
+
+def _inlinable(types, args: tuple, kwargs: dict) -> bool:
+    """Whether this call of an op, met while AOTAutograd functionalises a graph, may be traced into it (see the
+    module docstring)."""
+    if not launches.inline_enabled() or backend.interpreter_enabled() or not backend.has_triton():
+        return False
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        if custom_triton_ops_decomposition_disabled():
+            return False
+    except ImportError:
+        pass
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if any(t is not torch.Tensor and not issubclass(t, (FakeTensor, FunctionalTensor)) for t in types):
+        return False  # a tensor subclass: its own dispatch decides
+    values = (*args, *kwargs.values())
+    tensors = [a for a in values if isinstance(a, torch.Tensor)]
+    if not tensors or not all(t.is_cuda for t in tensors):
+        return False
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    return not any(isinstance(a, symbolic) for a in values) and not any(
+        isinstance(d, torch.SymInt) for t in tensors for d in (*t.shape, *t.stride(), t.storage_offset())
+    )
+
+
+def _inline_under_compile(custom, fn: Callable) -> None:
+    """Let AOTAutograd's functionalisation trace `fn` (a launcher) in place of the custom op, when it may."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    impl = _schema_outputs(fn)
+
+    def decompose(mode, op, types, args, kwargs):
+        if not _inlinable(types, args, kwargs):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode, launches.inlining():
+            return impl(*args, **kwargs)
+
+    custom.register_torch_dispatch(FunctionalTensorMode, decompose)
 
 
 class _Function(torch.autograd.Function):

@@ -11,7 +11,8 @@ graph capture (a graph must own its memory; a cached buffer replayed on another 
 calls), and all on a stream other than the device's default one: torch.compile's cudagraph trees run their
 warmup on a stream of their own with every allocation routed to their graph pool, and a buffer kept from there
 is a live tensor in that pool that no output accounts for (reduce-overhead then refuses to run). Cached buffers
-are never freed or replaced, so none is released under a graph that uses it.
+are never freed or replaced, so none is released under a graph that uses it. While torch.compile traces a
+launcher (kp_core.library), each buffer is the graph's own.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import threading
 
 import torch
+
+from kp_core import launches
 
 MAX_BYTES = 16 << 20
 MAX_ENTRIES = 256
@@ -29,6 +32,9 @@ _BUFFERS: dict[tuple, object] = {}
 def workspace(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, count: int = 1):
     """An uninitialised tensor of `shape` and `dtype` on like's device (a tuple of `count` distinct ones when
     count > 1), reused by later calls with the same key."""
+    if launches._inlining:  # traced into a compiled graph: a buffer of that graph, never one kept across graphs
+        made = tuple(like.new_empty(shape, dtype=dtype) for _ in range(count))
+        return made[0] if count == 1 else made
     cuda = like.is_cuda
     stream = torch._C._cuda_getCurrentRawStream(like.get_device()) if cuda else 0
     key = (like.get_device(), stream, threading.get_ident(), dtype, shape, count)

@@ -71,7 +71,9 @@ def attach_float8(x: torch.Tensor, cast: Float8Tensor, *, power_of_2: bool = Fal
 def attached_float8(x: torch.Tensor, block: tuple, dtype: torch.dtype, power_of_2: bool) -> Float8Tensor | None:
     """x's attached float8 copy as (M, K) rows (scale (M, 1) rowwise) if it was cast as asked, else None; taking
     it counts as one of its uses."""
-    if not _ATTACHED or torch.compiler.is_compiling():  # on every float8 layer's call: nothing attached, no lookup
+    # is_compiling first: dynamo refuses to trace the weak dictionary's len (a graph break, an error with
+    # fullgraph=True)
+    if torch.compiler.is_compiling() or not _ATTACHED:  # on every float8 layer's call: nothing attached, no lookup
         return None
     entry = _ATTACHED.get(x)
     if entry is None:

@@ -515,6 +515,7 @@ FLASH = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
+    inline=False,  # not yet run through inductor's user-kernel path on a GPU
 )
 
 FLASH_VARLEN = kp_core.op(
@@ -528,6 +529,7 @@ FLASH_VARLEN = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
+    inline=False,  # not yet run through inductor's user-kernel path on a GPU
 )
 
 

@@ -36,6 +36,8 @@ def _call(a, b, scale_a, scale_b, out_dtype):
 def _takes(a, b, scale_a, scale_b) -> bool:
     key = (a.dtype, b.dtype, scale_a.numel() == 1, scale_b.numel() == 1, a.device)
     if key not in _TAKES:
+        if kp_core.inlining_active():  # fake tensors take any call: the kernel serves until a real call probes
+            return False
         z = torch.zeros(16, 32, device=a.device)
         sa = torch.ones(() if key[2] else (16, 1), device=a.device)
         sb = torch.ones(() if key[3] else (1, 16), device=a.device)
