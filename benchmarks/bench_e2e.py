@@ -8,9 +8,10 @@ Every variant starts from the same bf16 weights and sees the same batches:
 - eager; torch.compile (each decoder layer compiled on its own: torchtitan's habit, and transformers keeps
   `is_causal` for SDPA that way); compile + torchao float8 (tensorwise and rowwise, torchao's own auto filter, the
   lm_head left out); Liger-Kernel's patch (RoPE, RMSNorm, SwiGLU; eager and compiled; run last, since its RoPE
-  patch is global to transformers' Llama module); kp.optimize (eager and compiled per layer; compiled with its
-  choices timed by kp.graph_timer, the GPU's time alone, as under compile the host's launch cost overlaps the
-  GPU's work; and eager without its fusions across packages, to show what they add).
+  patch is global to transformers' Llama module); kp.optimize (eager, where it may replay the whole model from
+  CUDA graphs; compiled per layer, without that graph; compiled with its choices timed by kp.graph_timer, the
+  GPU's time alone, as under compile the host's launch cost overlaps the GPU's work; and eager without its
+  fusions across packages, to show what they add).
 - Per variant: ms per train step (forward, cross-entropy on the logits, backward, AdamW), tokens/s, peak memory
   above the weights and optimiser state, host CPU time per step (the Python thread's CPU time), and for the demo's
   model the mean loss of the last 20 of --steps steps on fixed synthetic data, against eager's. Every variant
@@ -114,6 +115,7 @@ def main() -> None:
         torch._dynamo.reset()  # every variant compiles the same layer code: a fresh cache each
         model = copy.deepcopy(base)
         skip = (deny or []) + (["fusion"] if name.endswith("no fusion") else [])
+        skip += ["graphs"] if "compile" in name else []  # compiled afterwards: no whole-model CUDA graph
         report = None
         timer = kp.graph_timer if "graph_timer" in name else None
         if name.startswith("kp.optimize"):

@@ -60,6 +60,7 @@ def _inputs(*shapes, grad=True):
 
 CASES = {
     "rms_norm": (_rms, [(64, 512), (512,)]),
+    "swiglu": (N.swiglu, [(64, 1024), (64, 1024)]),
     "glu_float8 tensorwise": (_glu_float8, [(64, 1024), (64, 1024)]),
     "quantize rowwise": (_quantize, [(64, 512)]),
 }

@@ -28,7 +28,8 @@ def test_chooses_the_fastest_checked_candidate_when_it_beats_torch_by_min_speedu
     assert isinstance(model.norm, kp_norms.RMSNorm) and type(model.out_norm) is nn.LayerNorm
     out_norm = next(layer for layer in report.layers if layer.name == "out_norm")
     assert out_norm.choice == "torch" and "1.01x, below 1.03x" in out_norm.why
-    assert {layer.name for layer in report.layers} == {"norm", "out_norm"}  # Linears: float8 only, denied
+    # Linears: float8 only, denied; on a GPU the whole-model graph has a row of its own (test_graphs_candidate.py)
+    assert {layer.name for layer in report.layers if layer.kind != "graphs"} == {"norm", "out_norm"}
     assert "norm" in report.text() and json.loads(report.to_json())["mode"] == "train"
 
 

@@ -32,8 +32,9 @@ launcher is traced (what `torch.library.triton_op` does), and each kernel it lau
 cost per kernel, instead of calling back into Python per op (about 50-100 us an op). The op stays a unit (a
 `custom_op` called from the graph) where tracing cannot work or must not: under Triton's interpreter (inductor
 cannot launch interpreted kernels), with symbolic shapes (the launchers' tile choices need concrete sizes), for
-an op declared `inline=False` (a launcher that reads tensor values on the host or passes TMA descriptors),
-while launches are recorded or a guard is installed (both need each launch to pass through Python), under
+an op not declared `inline=True` (kp declares it for the ops whose traced form was checked on a GPU: its
+launcher must be traceable, reading no tensor value on the host, passing no TMA descriptor, keeping no tensor
+across calls), while launches are recorded or a guard is installed (both need each launch to pass through Python), under
 torch.export (the exported program keeps the op), and with KP_INLINE=0.
 
 `custom_op` + this rule rather than `triton_op`: `triton_op` decides at declaration, and on CPU under Triton's
@@ -91,7 +92,7 @@ class Op:
         same_grad: dict[str, str] | None = None,
         differentiable_outputs: int | None = None,
         mutates_args: Sequence[str] = (),
-        inline: bool = True,
+        inline: bool = False,
     ):
         if (backward is None) != (save is None) or (backward is None) != (backward_fake is None):
             raise TypeError(f"{name}: backward, backward_fake and save are declared together")

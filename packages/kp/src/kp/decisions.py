@@ -3,7 +3,8 @@ float64 copy of that layer (the user's weights, the layer's own inputs from the 
 PyTorch's own; the fastest checked one replaces the layer when it is faster by `min_speedup`. Then the whole step
 is timed with and without the replacements, and replacements are undone, least useful first, until the step is not
 slower than PyTorch's. Between the two, fusions across packages (kp.fusions) join a chosen kp norm to the float8
-layers that read its output, where that is bit for bit the same and faster."""
+layers that read its output, where that is bit for bit the same and faster. Last, in training on a GPU, the whole
+model replayed from CUDA graphs is checked and timed against the eager step (kp.graphs)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch import nn
 
 import kp_attention
 from kp import cache as disk
-from kp import fusions
+from kp import fusions, graphs
 from kp.candidates import ATTENTION, Candidate, candidates, kind_of
 from kp.env import environment
 from kp.measure import Inputs, Timer, default_timer, floats, step, timer_name, trainable, upstream
@@ -266,12 +267,13 @@ def optimize(
     example_inputs: the model's positional arguments for a representative batch (its shapes are what is timed).
     mode "train": forward and backward are timed and checked (gradients too); "infer": forward only.
     allow / deny: fnmatch patterns over candidate names ("float8 rowwise"), families ("norms", "glu", "float8",
-    "sparsity") and layer names ("model.layers.0.*"); deny wins. loss_budget: the relative error (L2, against
-    float64) that a candidate changing the layer's function (float8, 2:4) may have in each output and gradient;
-    lossless candidates must meet kp's conformance rule instead. min_speedup: how much faster a candidate must be
-    to replace PyTorch's layer. timer(layer, candidate, fn) -> ms replaces the built-in timing (CUDA events around
-    each call, the host's launch cost included); kp.graph_timer times the GPU's work alone, for a model that will
-    be compiled or run from CUDA graphs; kp.rank0_timer(timer) makes every rank of a job choose alike.
+    "sparsity", "graphs": the whole model from CUDA graphs, kp.graphs) and layer names ("model.layers.0.*"); deny
+    wins. loss_budget: the relative error (L2, against float64) that a candidate changing the layer's function
+    (float8, 2:4) may have in each output and gradient; lossless candidates must meet kp's conformance rule instead.
+    min_speedup: how much faster a candidate must be to replace PyTorch's layer. timer(layer, candidate, fn) -> ms
+    replaces the built-in timing (CUDA events around each call, the host's launch cost included); kp.graph_timer
+    times the GPU's work alone, for a model that will be compiled or run from CUDA graphs; kp.rank0_timer(timer)
+    makes every rank of a job choose alike.
     check_rows: rows of each layer's input used for the float64 check. cache: reuse the times measured for the
     same layers, versions and GPU (file: kp.cache.path()); on a hit only the candidate about to be chosen is
     checked again."""
@@ -311,10 +313,12 @@ def optimize(
         swaps += _attention(attention, min_speedup)
     if swaps and _allowed(("fusion",), allow, deny):
         swaps += _fusions(model, example_inputs, swaps, inputs_of, timer, min_speedup, result)
+    if swaps:
+        swaps = _never_slower(model, example_inputs, mode, timer, swaps, result)
+    if _allowed((graphs.CANDIDATE, graphs.FAMILY, graphs.SITE), allow, deny):
+        swaps += _graphs(model, example_inputs, mode, timer, min_speedup, swaps, cached, fresh, env, result)
     if cache and fresh:
         disk.store(fresh)
-    if swaps:
-        _never_slower(model, example_inputs, mode, timer, swaps, result)
     result.seconds = time.perf_counter() - start
     if report:
         print(result.text())
@@ -322,6 +326,24 @@ def optimize(
 
 
 FUSION = "fused float8 cast"
+
+
+def _graphs(model, example_inputs, mode, timer, min_speedup, swaps, cached, fresh, env, result) -> list[Swap]:
+    """With the kept swaps in place, the whole training step replayed from CUDA graphs (kp.graphs), where it is
+    offered; its row is "(whole model)". Returns the swap that installs it, when chosen."""
+    if graphs.unavailable(example_inputs, mode, timer) is not None:  # not offered here: no row
+        return []
+    _apply(model, swaps)
+    key = disk.key(env, f"{mode} {timer_name(timer)}", graphs.signature(model, example_inputs), [graphs.CANDIDATE])
+    layer, graphed, fresh[key] = graphs.decide(model, example_inputs, timer, min_speedup, cached.get(key, {}))
+    layer.cached = key in cached
+    result.layers.append(layer)
+    if graphed is None:
+        return []
+    gain = layer.torch_ms - layer.tried[0].ms
+    swap = Swap(graphs.SITE, 10**6, gain, lambda m, undo: graphs.install(m, graphed, len(example_inputs), undo))
+    _apply(model, [*swaps, swap])
+    return [swap]
 
 
 def _fusions(model, example_inputs, swaps, inputs_of, timer, min_speedup, result) -> list[Swap]:
@@ -393,9 +415,9 @@ def _attention(layers: list[Layer], min_speedup: float) -> list[Swap]:
     return [_attention_switch(torch_total - kp_total)] if chosen else []
 
 
-def _never_slower(model, example_inputs, mode, timer, swaps: list[Swap], result: Report) -> None:
+def _never_slower(model, example_inputs, mode, timer, swaps: list[Swap], result: Report) -> list[Swap]:
     """Time the whole step with PyTorch's layers and with kp's; undo the least useful swap until kp's step is not
-    slower."""
+    slower. Returns the swaps kept (in place in the model)."""
     run = _whole_step(model, example_inputs, mode)
     torch_ms = timer("(whole step)", "torch", run)
     _apply(model, swaps)
@@ -416,6 +438,7 @@ def _never_slower(model, example_inputs, mode, timer, swaps: list[Swap], result:
                     t.status = "reverted"
             layer.why = f"{layer.why}; reverted: the whole step was slower with it"
             layer.choice = "torch"
+    return swaps
 
 
 def check(

@@ -515,7 +515,6 @@ FLASH = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
-    inline=False,  # not yet run through inductor's user-kernel path on a GPU
 )
 
 FLASH_VARLEN = kp_core.op(
@@ -529,7 +528,6 @@ FLASH_VARLEN = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
-    inline=False,  # not yet run through inductor's user-kernel path on a GPU
 )
 
 

@@ -323,5 +323,4 @@ KVCACHE = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
-    inline=False,  # checks cache_seqlens on the host
 )

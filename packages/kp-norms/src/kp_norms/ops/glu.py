@@ -232,6 +232,7 @@ GLU = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
+    inline=True,  # traced into compiled graphs: packages/kp/tests/test_inline.py
 )
 
 
@@ -253,6 +254,7 @@ GLU_FLOAT8 = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=FP8_DTYPES,
+    inline=True,  # traced into compiled graphs: packages/kp/tests/test_inline.py
 )
 
 GLU_PACKED = kp_core.op(

@@ -491,6 +491,7 @@ NORM = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
+    inline=True,  # traced into compiled graphs: packages/kp/tests/test_inline.py
 )
 
 
@@ -518,10 +519,9 @@ NORM_FLOAT8 = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=FP8_DTYPES,
-    # Not traced into compiled graphs: launched by inductor, the rowwise weight gradient differed from kp's own
+    # Not inline (kp_core.library): launched by inductor, the rowwise weight gradient differed from kp's own
     # launch by an ulp on an H200. Inductor specialises a user kernel's every integer argument on divisibility by
     # 16 (do_not_specialize is not read there), the specialisation _norm_fwd avoids for stride_q to match rms_norm
-    inline=False,
 )
 
 

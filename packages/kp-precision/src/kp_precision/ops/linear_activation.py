@@ -154,5 +154,4 @@ LINEAR_ACTIVATION = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
-    inline=False,  # TMA descriptors and an alignment check on the data pointers
 )

@@ -273,7 +273,8 @@ def transpose(data: torch.Tensor) -> torch.Tensor:
 
 # ---- declarations ----
 
-QUANTIZE = kp_core.op(OP, forward, _quantize_fake, package=PACKAGE, spec=SPEC, dtypes=DTYPES)
+# QUANTIZE and TRANSPOSE are traced into compiled graphs (kp_core.library): packages/kp/tests/test_inline.py
+QUANTIZE = kp_core.op(OP, forward, _quantize_fake, package=PACKAGE, spec=SPEC, dtypes=DTYPES, inline=True)
 
 DEQUANTIZE = kp_core.op(
     OP_DEQ,
@@ -291,4 +292,5 @@ TRANSPOSE = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=FP8_DTYPES + DTYPES,
+    inline=True,
 )

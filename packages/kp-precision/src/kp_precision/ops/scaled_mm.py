@@ -180,4 +180,5 @@ def _fake(a, b, scale_a, scale_b, bias, activation, out_dtype, use_fast_accum):
     return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
 
 
-SCALED_MM = kp_core.op(OP, forward, _fake, package=PACKAGE, spec=SPEC, dtypes=FP8_DTYPES)
+# traced into compiled graphs (kp_core.library): packages/kp/tests/test_inline.py
+SCALED_MM = kp_core.op(OP, forward, _fake, package=PACKAGE, spec=SPEC, dtypes=FP8_DTYPES, inline=True)

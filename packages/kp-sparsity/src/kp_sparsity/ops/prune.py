@@ -199,5 +199,4 @@ MASK_T = kp_core.op(
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,
-    inline=False,  # its pattern table is a tensor kept across calls, which a traced graph must not capture
 )

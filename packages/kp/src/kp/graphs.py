@@ -1,0 +1,159 @@
+"""kp.optimize's last candidate: the whole training forward and backward replayed from CUDA graphs
+(kp_graphs.graphed, one bucket: the example batch's size), with the layer choices already in place.
+
+A graph replays the step's kernels with one launch, so it removes the host's cost of launching them, which bounds
+a small model's eager step. It is checked against the eager step it replaces (outputs and gradients; the same
+kernels, so they must agree to within the eager step's own run-to-run spread, which is zero unless a kernel adds
+with atomics), timed against it with the same timer, and kept when faster by min_speedup. Not offered: off a GPU;
+in inference (a decode step's KV cache is state a graph would freeze: kp_graphs' decode loops serve that); with
+a timer of the GPU's work alone (kp.graph_timer: a graph saves nothing it counts); with a collective timer (a
+model sharded after kp.optimize is not graphed whole). The model's forward becomes the graphed callable for
+calls shaped as the example batch (positional tensors; an instance attribute, which kp.restore removes), and stays
+its own for any other call (keyword arguments, a KV cache); a call of another size runs eagerly (kp_graphs
+counts it). A model that will be compiled afterwards should deny "graphs": each candidate is timed eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kp_graphs
+from kp.measure import floats, timer_name, trainable
+from kp.report import Layer, Tried
+from kp.sites import Site
+
+CANDIDATE = "kp_graphs.graphed"
+FAMILY = "graphs"
+SITE = "(whole model)"
+
+
+class _Forward(nn.Module):
+    """The model's own forward as a module, so that kp_graphs finds its parameters (the model's forward attribute
+    is then the graphed callable, which calls this)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+
+def unavailable(example_inputs: tuple, mode: str, timer) -> str | None:
+    """Why the candidate is not offered here, or None."""
+    if mode != "train":
+        return "training only: a decode step's KV cache is state a whole-model graph would freeze"
+    if not any(getattr(a, "is_cuda", False) for a in example_inputs):
+        return "CUDA graphs need the example inputs on a GPU"
+    if "graph_timer" in timer_name(timer):
+        return "timed by the GPU's work alone (graph_timer), where a graph saves nothing"
+    if getattr(timer, "collective", False):
+        return "a model sharded after kp.optimize (collective timer) is not graphed whole"
+    return None
+
+
+def build(model: nn.Module, example_inputs: tuple) -> kp_graphs.Graphed:
+    batch = next(a for a in example_inputs if getattr(a, "dim", lambda: 0)() > 0).shape[0]
+    return kp_graphs.graphed(_Forward(model), buckets=[batch], name=f"kp.optimize {type(model).__name__}")
+
+
+def install(model: nn.Module, graphed, n_args: int, undo: list | None = None) -> None:
+    """The model's forward becomes: the graphed callable for calls shaped as the example (n_args positional
+    tensors, no keyword), its own forward for any other (generate's calls with a KV cache, labels=...)."""
+    own = type(model).forward
+
+    def forward(*args, **kwargs):
+        if kwargs or len(args) != n_args or not all(isinstance(a, torch.Tensor) for a in args):
+            return own(model, *args, **kwargs)
+        return graphed(*args)
+
+    model.__dict__["forward"] = forward
+    if undo is not None:
+        undo.append((SITE, lambda: model.__dict__.pop("forward", None)))
+
+
+def spread(a: list, b: list) -> list[float]:
+    """Per tensor, the largest difference between two runs' results."""
+    return [float((x.float() - y.float()).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b, strict=True)]
+
+
+def step(model: nn.Module, example_inputs: tuple):
+    """The whole training step kp.optimize times: forward, the sum of the float outputs, its gradients with
+    respect to the trainable parameters; returns (outputs, gradients)."""
+    params = trainable(model)
+
+    def run():
+        outs = floats(model(*example_inputs))
+        grads = torch.autograd.grad(sum(t.float().sum() for t in outs), params, allow_unused=True)
+        return outs, grads
+
+    return run
+
+
+def signature(model: nn.Module, example_inputs: tuple) -> str:
+    """What the decision depends on: the model with the layer choices in place (its repr names them), its
+    parameters' and the inputs' shapes and dtypes."""
+    return Site(SITE, model, FAMILY, example_inputs).signature()
+
+
+def decide(model: nn.Module, example_inputs: tuple, timer, min_speedup: float, cached: dict) -> tuple:
+    """(the report's row for the whole-model graph, the graphed callable when chosen else None, the times to
+    cache: {"eager": [ms, None], CANDIDATE: [ms, None] or None}). With both times cached, an unchosen graph is
+    not built again, and a chosen one is checked again but not timed."""
+    run = step(model, example_inputs)
+    eager_ms = ms = None
+    if "eager" in cached and CANDIDATE in cached:
+        if cached[CANDIDATE] is None:
+            note = "refused or not applicable when measured, not checked again"
+            return _row(cached["eager"][0], Tried(CANDIDATE, "refused", note=note), note), None, cached
+        eager_ms, ms = cached["eager"][0], cached[CANDIDATE][0]
+        if eager_ms / ms < min_speedup:
+            why = f"{CANDIDATE} {eager_ms / ms:.2f}x the eager step, below {min_speedup:.2f}x: kept eager"
+            tried = Tried(CANDIDATE, "slower", ms, note="cached time, not checked again")
+            return _row(eager_ms, tried, why), None, cached
+    times = {"eager": [eager_ms, None], CANDIDATE: None}
+    try:
+        if eager_ms is None:
+            eager_ms = timer(SITE, "eager", run)
+            times["eager"][0] = eager_ms
+        eager = _results(run)
+        noise = spread(eager, _results(run))
+        graphed = build(model, example_inputs)
+        install(model, graphed, len(example_inputs))
+        try:
+            for _ in range(graphed.warmup + 2):  # warm-up runs, the capture, then a replay
+                got = _results(run)
+            diff = spread(eager, got)
+            bad = [(i, d, n) for i, (d, n) in enumerate(zip(diff, noise, strict=True)) if d > 2 * n]
+            if bad:
+                i, d, n = bad[0]
+                error = f"result {i} differs from eager's by {d:.3g} (eager's own run-to-run spread: {n:.3g})"
+                tried = Tried(CANDIDATE, "refused", error=error)
+                return _row(eager_ms, tried, "the graphed step did not match eager"), None, times
+            ms = ms or timer(SITE, CANDIDATE, run)
+        finally:
+            model.__dict__.pop("forward", None)
+    except Exception as e:  # a model a graph cannot hold (a host sync inside, an op that cannot be captured)
+        note = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return _row(eager_ms, Tried(CANDIDATE, "not applicable", note=note), note), None, times
+    times[CANDIDATE] = [ms, None]
+    speedup = eager_ms / ms
+    detail = f"outputs and gradients within eager's own spread (largest difference {max(diff, default=0.0):.3g})"
+    tried = Tried(CANDIDATE, "slower", ms, note=detail)
+    if speedup >= min_speedup:
+        tried.status = "chosen"
+        why = f"{CANDIDATE} {speedup:.2f}x the eager step"
+        return _row(eager_ms, tried, why, CANDIDATE), graphed, times
+    why = f"{CANDIDATE} {speedup:.2f}x the eager step, below {min_speedup:.2f}x: kept eager"
+    return _row(eager_ms, tried, why), None, times
+
+
+def _row(eager_ms: float | None, tried: Tried, why: str, choice: str = "torch") -> Layer:
+    return Layer(SITE, FAMILY, eager_ms, [tried], choice, why)
+
+
+def _results(run) -> list:
+    """The step's float outputs and gradients, as detached copies."""
+    outs, grads = run()
+    return [t.detach().clone() for t in (*outs, *(g for g in grads if g is not None))]
