@@ -520,8 +520,7 @@ NORM_FLOAT8 = kp_core.op(
     spec=SPEC,
     dtypes=FP8_DTYPES,
     # Not inline (kp_core.library): launched by inductor, the rowwise weight gradient differed from kp's own
-    # launch by an ulp on an H200. Inductor specialises a user kernel's every integer argument on divisibility by
-    # 16 (do_not_specialize is not read there), the specialisation _norm_fwd avoids for stride_q to match rms_norm
+    # launch by an ulp on an H200 (cause not found yet; see docs/kp-core.md)
 )
 
 
