@@ -145,3 +145,26 @@ def test_float8_norm_bad_arguments():
     with pytest.raises(TypeError, match="mlp must be a kp_norms.GatedMLP"):
         fusions.Float8GatedMLP(torch.nn.Linear(4, 4), "rowwise", False)
     assert fusions.recipe_of(kp_precision.Float8Linear(64, 64, config=kp_precision.Float8Config("blockwise"))) is None
+
+
+@pytest.mark.parametrize("which", ["norm", "mlp"])
+def test_compiled_fused_modules_skip_the_float8_copy_nobody_takes(which):
+    """Under torch.compile a float8 layer casts its own input (attached copies are eager only): the fused norm and
+    gated MLP run their plain forms there, with the same output bit for bit and no float8 kernel of their own."""
+    torch.manual_seed(0)
+    f = dict(device=DEVICE, dtype=torch.float32)
+    x = torch.randn(16, 64, **f)
+    if which == "norm":
+        module = fusions.Float8Norm(kp_norms.RMSNorm(64, eps=1e-6, **f), "tensorwise", False)
+        fused_op, plain_op = "kp::norm_float8", "kp::norm"
+    else:
+        module = fusions.Float8GatedMLP(kp_norms.GatedMLP(64, 128, **f), "tensorwise", False)
+        fused_op, plain_op = "kp::glu_float8", "kp::glu"
+    with torch.no_grad(), kp_core.record_launches() as eager_record:
+        expected = module(x)
+    assert eager_record.count(fused_op) > 0
+    torch._dynamo.reset()
+    with torch.no_grad(), kp_core.record_launches() as record:
+        got = torch.compile(module, fullgraph=True)(x)
+    assert record.count(fused_op) == 0 and record.count(plain_op) > 0
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -53,6 +53,14 @@ class Float8Norm(nn.Module):
         self.granularity, self.power_of_2, self.readers = granularity, bool(power_of_2), readers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Under torch.compile the readers cast for themselves (an attached copy is eager only): the plain
+            # norm, the same output bit for bit, without a float8 copy nobody takes.
+            if self.rms:
+                return kp_norms.rms_norm(
+                    x, self.normalized_shape, self.weight, self.eps, offset=self.offset, casting=self.casting
+                )
+            return kp_norms.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         kind = dict(kind="rms", offset=self.offset, casting=self.casting) if self.rms else dict(kind="layer")
         cast = dict(granularity=self.granularity, power_of_2=self.power_of_2)
         out = kp_norms.norm_float8(x, self.weight, self.bias, self.eps, **kind, **cast)
@@ -78,6 +86,8 @@ class Float8GatedMLP(nn.Module):
         self.activation, self.granularity, self.power_of_2 = mlp.activation, granularity, bool(power_of_2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the down projection casts for itself there: the plain gated MLP
+            return kp_norms.GatedMLP.forward(self, x)
         cast = dict(granularity=self.granularity, power_of_2=self.power_of_2)
         out = kp_norms.glu_float8(self.gate_proj(x), self.up_proj(x), self.activation, **cast)
         return self.down_proj(_attach(out, self.granularity, self.power_of_2, uses=1))
