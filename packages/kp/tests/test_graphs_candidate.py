@@ -31,7 +31,7 @@ def test_offered_in_training_on_a_gpu_with_a_timer_that_counts_the_host():
         assert "collective" in graphs.unavailable((x,), "train", collective)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's kp.optimize")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the graph is offered: the @gpu tests below")
 def test_not_offered_off_a_gpu():
     model, x = block("cpu")
     report = kp.optimize(model, (x,), deny=["float8"], timer=FixedTimer({}), cache=False, report=False)

@@ -114,7 +114,7 @@ def test_compiled_float8_linear_forward_and_backward(recipe):
 
 
 def test_norm_float8_stays_one_op():
-    """norm_float8 is declared inline=False (kp_norms.ops.norm): compiled, it is still called as a unit."""
+    """norm_float8 is not declared inline=True (kp_norms.ops.norm): compiled, it is still called as a unit."""
     x, w = _inputs((64, 512), (512,))
     torch._dynamo.reset()
     _, codes = run_and_get_code(lambda: _run(torch.compile(_norm_float8_rowwise, fullgraph=True), [x, w]))

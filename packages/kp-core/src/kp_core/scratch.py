@@ -32,15 +32,13 @@ _BUFFERS: dict[tuple, object] = {}
 def workspace(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, count: int = 1):
     """An uninitialised tensor of `shape` and `dtype` on like's device (a tuple of `count` distinct ones when
     count > 1), reused by later calls with the same key."""
-    if launches._inlining:  # traced into a compiled graph: a buffer of that graph, never one kept across graphs
-        made = tuple(like.new_empty(shape, dtype=dtype) for _ in range(count))
-        return made[0] if count == 1 else made
     cuda = like.is_cuda
     stream = torch._C._cuda_getCurrentRawStream(like.get_device()) if cuda else 0
     key = (like.get_device(), stream, threading.get_ident(), dtype, shape, count)
     bufs = _BUFFERS.get(key)
-    cacheable = not cuda or (
-        stream == _default_stream(like.get_device()) and not torch.cuda.is_current_stream_capturing()
+    # traced into a compiled graph (kp_core.library): a buffer of that graph, never one kept across graphs
+    cacheable = not launches.inlining_active() and (
+        not cuda or (stream == _default_stream(like.get_device()) and not torch.cuda.is_current_stream_capturing())
     )
     if bufs is not None and cacheable:
         return bufs

@@ -21,7 +21,7 @@ from kp import cache as disk
 from kp import fusions, graphs
 from kp.candidates import ATTENTION, Candidate, candidates, kind_of
 from kp.env import environment
-from kp.measure import Inputs, Timer, default_timer, floats, step, timer_name, trainable, upstream
+from kp.measure import Inputs, Timer, default_timer, floats, step, timer_name, trainable, upstream, whole_step
 from kp.measure import check as check_layer
 from kp.report import Layer, Report, Tried
 from kp.sites import Site, capture
@@ -234,19 +234,6 @@ def _apply(model: nn.Module, swaps: list[Swap]) -> None:
     object.__setattr__(model, _UNDO, undo)  # a plain attribute: not a child, not in state_dict
 
 
-def _whole_step(model: nn.Module, example_inputs: tuple, mode: str):
-    params = trainable(model)
-
-    def run():
-        if mode == "infer":
-            with torch.no_grad():
-                return model(*example_inputs)
-        loss = sum(t.float().sum() for t in floats(model(*example_inputs)))
-        return torch.autograd.grad(loss, params, allow_unused=True)
-
-    return run
-
-
 def optimize(
     model: nn.Module,
     example_inputs,
@@ -335,7 +322,8 @@ def _graphs(model, example_inputs, mode, timer, min_speedup, swaps, cached, fres
         return []
     _apply(model, swaps)
     key = disk.key(env, f"{mode} {timer_name(timer)}", graphs.signature(model, example_inputs), [graphs.CANDIDATE])
-    layer, graphed, fresh[key] = graphs.decide(model, example_inputs, timer, min_speedup, cached.get(key, {}))
+    eager_ms = result.step["kp_ms"] if result.step else None  # _never_slower timed this very step
+    layer, graphed, fresh[key] = graphs.decide(model, example_inputs, timer, min_speedup, cached.get(key, {}), eager_ms)
     layer.cached = key in cached
     result.layers.append(layer)
     if graphed is None:
@@ -418,7 +406,7 @@ def _attention(layers: list[Layer], min_speedup: float) -> list[Swap]:
 def _never_slower(model, example_inputs, mode, timer, swaps: list[Swap], result: Report) -> list[Swap]:
     """Time the whole step with PyTorch's layers and with kp's; undo the least useful swap until kp's step is not
     slower. Returns the swaps kept (in place in the model)."""
-    run = _whole_step(model, example_inputs, mode)
+    run = whole_step(model, example_inputs, mode)
     torch_ms = timer("(whole step)", "torch", run)
     _apply(model, swaps)
     kp_ms = timer("(whole step)", "kp", run)

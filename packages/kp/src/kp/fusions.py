@@ -56,11 +56,7 @@ class Float8Norm(nn.Module):
         if torch.compiler.is_compiling():
             # Under torch.compile the readers cast for themselves (an attached copy is eager only): the plain
             # norm, the same output bit for bit, without a float8 copy nobody takes.
-            if self.rms:
-                return kp_norms.rms_norm(
-                    x, self.normalized_shape, self.weight, self.eps, offset=self.offset, casting=self.casting
-                )
-            return kp_norms.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return (kp_norms.RMSNorm if self.rms else kp_norms.LayerNorm).forward(self, x)
         kind = dict(kind="rms", offset=self.offset, casting=self.casting) if self.rms else dict(kind="layer")
         cast = dict(granularity=self.granularity, power_of_2=self.power_of_2)
         out = kp_norms.norm_float8(x, self.weight, self.bias, self.eps, **kind, **cast)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import kp_graphs
-from kp.measure import floats, timer_name, trainable
+from kp.measure import timer_name, whole_step
 from kp.report import Layer, Tried
 from kp.sites import Site
 
@@ -78,31 +78,19 @@ def spread(a: list, b: list) -> list[float]:
     return [float((x.float() - y.float()).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b, strict=True)]
 
 
-def step(model: nn.Module, example_inputs: tuple):
-    """The whole training step kp.optimize times: forward, the sum of the float outputs, its gradients with
-    respect to the trainable parameters; returns (outputs, gradients)."""
-    params = trainable(model)
-
-    def run():
-        outs = floats(model(*example_inputs))
-        grads = torch.autograd.grad(sum(t.float().sum() for t in outs), params, allow_unused=True)
-        return outs, grads
-
-    return run
-
-
 def signature(model: nn.Module, example_inputs: tuple) -> str:
     """What the decision depends on: the model with the layer choices in place (its repr names them), its
     parameters' and the inputs' shapes and dtypes."""
     return Site(SITE, model, FAMILY, example_inputs).signature()
 
 
-def decide(model: nn.Module, example_inputs: tuple, timer, min_speedup: float, cached: dict) -> tuple:
+def decide(model, example_inputs: tuple, timer, min_speedup: float, cached: dict, eager_ms=None) -> tuple:
     """(the report's row for the whole-model graph, the graphed callable when chosen else None, the times to
-    cache: {"eager": [ms, None], CANDIDATE: [ms, None] or None}). With both times cached, an unchosen graph is
-    not built again, and a chosen one is checked again but not timed."""
-    run = step(model, example_inputs)
-    eager_ms = ms = None
+    cache: {"eager": [ms, None], CANDIDATE: [ms, None] or None}). eager_ms: the eager step's time when the
+    caller has just taken it with this timer. With both times cached, an unchosen graph is not built again, and a
+    chosen one is checked again but not timed."""
+    run = whole_step(model, example_inputs, "train")
+    ms = None
     if "eager" in cached and CANDIDATE in cached:
         if cached[CANDIDATE] is None:
             note = "refused or not applicable when measured, not checked again"

@@ -155,6 +155,22 @@ def step(module: nn.Module, inputs: Inputs, mode: str, params: list, grads: list
     return run
 
 
+def whole_step(model: nn.Module, example_inputs: tuple, mode: str) -> Callable:
+    """The model's whole step as kp.optimize times it: in training, forward, the sum of the float outputs and its
+    gradients with respect to the trainable parameters, returning (outputs, gradients); in inference, the
+    forward without gradients."""
+    params = trainable(model)
+
+    def run():
+        if mode == "infer":
+            with torch.no_grad():
+                return model(*example_inputs)
+        outs = floats(model(*example_inputs))
+        return outs, torch.autograd.grad(sum(t.float().sum() for t in outs), params, allow_unused=True)
+
+    return run
+
+
 def upstream(outs: list[torch.Tensor], seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.device, o.dtype) for o in outs]
