@@ -206,6 +206,27 @@ def test_training_replays_forward_and_backward_graphs(dtype):
     assert g.stats.captures == 3 and not g.stats.eager
 
 
+def test_training_capture_with_an_earlier_forward_still_alive():
+    """An eager forward whose autograd graph is still alive (a loss kept for logging) made the parameters'
+    gradient nodes on the default stream; the captured backward must not follow them there (it did: the graph
+    came out empty and the replayed gradients stale)."""
+    model = mlp(layers=3, width=128)
+    ref = train_copy(model)
+    kept = model(torch.randn(4, 128, device="cuda")).sum()  # alive through the capture below
+    g = kp_graphs.graphed(model, buckets=[4])
+    for step in range(3):
+        x = torch.randn(4, 128, device="cuda")
+        for p in (*model.parameters(), *ref.parameters()):
+            p.grad = None
+        out, want = g(x), ref(x)
+        assert torch.equal(out, want), step
+        out.sum().backward()
+        want.sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), step
+    assert g.stats.captures == 1 and not g.stats.eager and kept.grad_fn is not None
+
+
 def test_a_training_step_with_an_optimizer_matches_eager():
     model = mlp(layers=2, width=64)
     ref = train_copy(model)

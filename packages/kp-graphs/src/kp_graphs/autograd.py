@@ -38,15 +38,28 @@ class TrainGraph:
         self.static_in = static
         self.grad_idx = [i for i in self.tensor_idx if static[i].requires_grad]
         self.params = list(params)
-        wrt = [static[i] for i in self.grad_idx] + self.params
+        # The graphs differentiate with respect to fresh leaves sharing the parameters' storage (the replay reads
+        # the same memory), not the parameters themselves: a parameter's gradient node is shared by every live
+        # autograd graph that uses it and keeps the stream it was made on, so one made on the default stream by an
+        # earlier forward still alive (a loss kept, an activation cached) would send the captured backward's
+        # gradient work to that stream, outside the capture, and leave the graph empty or wrong.
+        aliases = [p.detach().requires_grad_() for p in self.params]
+        names = {id(p): n for n, p in fn.named_parameters()} if isinstance(fn, torch.nn.Module) else {}
+        swapped = {names[id(p)]: a for p, a in zip(self.params, aliases, strict=True) if id(p) in names}
+        wrt = [static[i] for i in self.grad_idx] + aliases
         args, kwargs = unflatten(static, spec)
+
+        def call():
+            if not swapped:
+                return fn(*args, **kwargs)
+            return torch.func.functional_call(fn, swapped, args, kwargs)
 
         def differentiable(out):
             flat, out_spec = tree_flatten(out)
             return flat, out_spec, [j for j, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad]
 
         def run():
-            flat, _, diff = differentiable(fn(*args, **kwargs))
+            flat, _, diff = differentiable(call())
             outs = [flat[j] for j in diff]
             torch.autograd.grad(outs, wrt, [torch.zeros_like(o) for o in outs], allow_unused=True)
 
@@ -54,7 +67,7 @@ class TrainGraph:
 
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         where = f"bucket {bucket}'s forward"
-        out = capture(self.fwd, pool, lambda: fn(*args, **kwargs), name, where, (fn, args, kwargs))
+        out = capture(self.fwd, pool, call, name, where, (fn, args, kwargs))
         self.flat_out, self.out_spec, self.diff = differentiable(out)
         if not self.diff:
             raise ValueError("graphed: under autograd, fn must return at least one tensor that requires grad")
