@@ -1,16 +1,17 @@
 """kp.optimize's last candidate: the whole training forward and backward replayed from CUDA graphs
 (kp_graphs.graphed, one bucket: the example batch's size), with the layer choices already in place.
 
-A graph replays the step's kernels with one launch, so it removes the host's cost of launching them, which bounds
-a small model's eager step. It is checked against the eager step it replaces (outputs and gradients; the same
-kernels, so they must agree to within the eager step's own run-to-run spread, which is zero unless a kernel adds
-with atomics), timed against it with the same timer, and kept when faster by min_speedup. Not offered: off a GPU;
-in inference (a decode step's KV cache is state a graph would freeze: kp_graphs' decode loops serve that); with
-a timer of the GPU's work alone (kp.graph_timer: a graph saves nothing it counts); with a collective timer (a
-model sharded after kp.optimize is not graphed whole). The model's forward becomes the graphed callable for
-calls shaped as the example batch (positional tensors; an instance attribute, which kp.restore removes), and stays
-its own for any other call (keyword arguments, a KV cache); a call of another size runs eagerly (kp_graphs
-counts it). A model that will be compiled afterwards should deny "graphs": each candidate is timed eagerly.
+A graph replays the step's kernels with one launch, so it removes the host's cost of launching them, which bounds a
+small model's eager step. It is checked against the eager step it replaces, run on the stream the graph is captured
+on (outputs and gradients; the same kernels, so they must agree to within the eager step's own run-to-run spread,
+which is zero unless a kernel adds with atomics), timed against it with the same timer, and kept when faster by
+min_speedup. Not offered: off a GPU; in inference (a decode step's KV cache is state a graph would freeze:
+kp_graphs' decode loops serve that); with a timer of the GPU's work alone (kp.graph_timer: a graph saves nothing it
+counts); with a collective timer (a model sharded after kp.optimize is not graphed whole). The model's forward
+becomes the graphed callable for calls shaped as the example batch (positional tensors; an instance attribute, which
+kp.restore removes), and stays its own for any other call (keyword arguments, a KV cache); a call of another size
+runs eagerly (kp_graphs counts it). A model that will be compiled afterwards should deny "graphs": each candidate is
+timed eagerly.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def decide(model, example_inputs: tuple, timer, min_speedup: float, cached: dict
         if eager_ms is None:
             eager_ms = timer(SITE, "eager", run)
             times["eager"][0] = eager_ms
-        eager = _results(run)
-        noise = spread(eager, _results(run))
+        eager = _on_capture_stream(run)
+        noise = spread(eager, _on_capture_stream(run))
+        streams = spread(eager, _results(run))  # for the report: what the default stream's run differs by
         graphed = build(model, example_inputs)
         install(model, graphed, len(example_inputs))
         try:
@@ -116,7 +118,10 @@ def decide(model, example_inputs: tuple, timer, min_speedup: float, cached: dict
             bad = [(i, d, n) for i, (d, n) in enumerate(zip(diff, noise, strict=True)) if d > 2 * n]
             if bad:
                 i, d, n = bad[0]
-                error = f"result {i} differs from eager's by {d:.3g} (eager's own run-to-run spread: {n:.3g})"
+                error = (
+                    f"result {i} differs from eager's by {d:.3g} (eager's own run-to-run spread: {n:.3g}; eager on "
+                    f"the default stream differs by {streams[i]:.3g})"
+                )
                 tried = Tried(CANDIDATE, "refused", error=error)
                 return _row(eager_ms, tried, "the graphed step did not match eager"), None, times
             ms = ms or timer(SITE, CANDIDATE, run)
@@ -139,6 +144,21 @@ def decide(model, example_inputs: tuple, timer, min_speedup: float, cached: dict
 
 def _row(eager_ms: float | None, tried: Tried, why: str, choice: str = "torch") -> Layer:
     return Layer(SITE, FAMILY, eager_ms, [tried], choice, why)
+
+
+def _on_capture_stream(run) -> list:
+    """_results(run) computed on the stream kp_graphs captures on (the graph replays what ran there; a library
+    may choose its kernels per stream), waited for by the current stream."""
+    if not torch.cuda.is_available():
+        return _results(run)
+    side, current = kp_graphs.capture.stream(), torch.cuda.current_stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        out = _results(run)
+    current.wait_stream(side)
+    for t in out:
+        t.record_stream(current)  # read and freed on the current stream
+    return out
 
 
 def _results(run) -> list:
