@@ -227,6 +227,24 @@ def test_training_capture_with_an_earlier_forward_still_alive():
     assert g.stats.captures == 1 and not g.stats.eager and kept.grad_fn is not None
 
 
+def test_training_refuses_a_parameter_read_through_a_kept_reference():
+    """The graphs differentiate with respect to aliases swapped in for the module's registered parameters; a
+    parameter read through a reference kept elsewhere would get no gradient, so the capture refuses it."""
+
+    class Kept(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64, device="cuda")
+            self.kept = [self.lin.weight]  # a plain list: not a registration functional_call can swap
+
+        def forward(self, x):
+            return self.lin(x) + x @ self.kept[0]
+
+    g = kp_graphs.graphed(Kept(), buckets=[4])
+    with pytest.raises(ValueError, match=r"lin\.weight other than as the module's attributes"):
+        g(torch.randn(4, 64, device="cuda"))
+
+
 def test_a_training_step_with_an_optimizer_matches_eager():
     model = mlp(layers=2, width=64)
     ref = train_copy(model)

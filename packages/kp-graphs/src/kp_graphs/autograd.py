@@ -58,12 +58,22 @@ class TrainGraph:
             flat, out_spec = tree_flatten(out)
             return flat, out_spec, [j for j, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad]
 
+        direct = set()  # parameters fn reads other than through the module's registration (their aliases miss them)
+
         def run():
             flat, _, diff = differentiable(call())
             outs = [flat[j] for j in diff]
-            torch.autograd.grad(outs, wrt, [torch.zeros_like(o) for o in outs], allow_unused=True)
+            also = self.params if swapped else []
+            grads = torch.autograd.grad(outs, wrt + also, [torch.zeros_like(o) for o in outs], allow_unused=True)
+            direct.update(i for i, g in enumerate(grads[len(wrt) :]) if g is not None)
 
         warm_up(run, warmup)
+        if direct:
+            found = ", ".join(names.get(id(self.params[i]), f"#{i}") for i in sorted(direct))
+            raise ValueError(
+                f"graphed {name}: fn reads parameter(s) {found} other than as the module's attributes (a reference "
+                "kept elsewhere), so the graphs cannot give them gradients; read them through the module"
+            )
 
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         where = f"bucket {bucket}'s forward"
