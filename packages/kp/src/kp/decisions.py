@@ -316,11 +316,11 @@ FUSION = "fused float8 cast"
 
 
 def _graphs(model, example_inputs, mode, timer, min_speedup, swaps, cached, fresh, env, result) -> list[Swap]:
-    """With the kept swaps in place, the whole training step replayed from CUDA graphs (kp.graphs), where it is
-    offered; its row is "(whole model)". Returns the swap that installs it, when chosen."""
+    """With the kept swaps in place (as _never_slower leaves them), the whole training step replayed from CUDA
+    graphs (kp.graphs), where it is offered; its row is "(whole model)". Returns the swap that installs it, when
+    chosen."""
     if graphs.unavailable(example_inputs, mode, timer) is not None:  # not offered here: no row
         return []
-    _apply(model, swaps)
     key = disk.key(env, f"{mode} {timer_name(timer)}", graphs.signature(model, example_inputs), [graphs.CANDIDATE])
     eager_ms = result.step["kp_ms"] if result.step else None  # _never_slower timed this very step
     layer, graphed, fresh[key] = graphs.decide(model, example_inputs, timer, min_speedup, cached.get(key, {}), eager_ms)
