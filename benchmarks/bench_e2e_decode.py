@@ -13,14 +13,20 @@ Variants, each from the same bf16 weights and the same random prompts:
 - kp.optimize: `kp.optimize(model, (one token per sequence,), mode="infer")`, so its choices are timed at the
   decode step's shapes, then eager `generate`; kp's attention is left out (`deny=["attention"]`: its HF drop-in
   serves training and prefill shapes, not a cache the model updates);
-- kp.optimize + compile reduce-overhead: its choices timed by kp.graph_timer (the GPU's time alone, as the decode
-  steps will run from CUDA graphs), then the static-cache compiled recipe.
+- kp.optimize + compile reduce-overhead: its choices timed by kp.compiled_timer(mode="reduce-overhead") (layers
+  by kp.graph_timer, the GPU's time alone, as the decode steps will run from CUDA graphs; the never-slower check on
+  the whole step compiled so, host time included: kp's layers are weighed against what inductor makes of PyTorch's
+  and against the guards they add), then the static-cache compiled recipe.
 Decode tokens/s = batch x (N - 1) / (t(N) - t(1)), t(n) the least time of --repeats calls of `generate` of n new
-tokens from the same prompt: the prefill and the first token cancel. "same tokens" is the share of generated tokens
-equal to eager's (greedy; float8 layers may change some). Cells whose KV cache would pass --max-tokens (batch x context)
-are skipped and listed. The grid is walked cell by cell, each cell's variants back to back. Results are written
-after every cell (a run cut short keeps what it measured); with --only, the other variants' rows of the last run
-on this device are kept, each with its time of measurement.
+tokens from the same prompt: the prefill and the first token cancel. A cell's variants are timed round by round
+(every variant once per round): a batch-1 step is host-bound and drifts by 30 % and more within a minute, and
+interleaved rounds expose every variant to the same drift. "GPU ms per step" is the GPU's busy time per decode step
+(the profiler's kernel time of N tokens minus that of 1, over N - 1): what kernels can save at most. "same
+tokens" is the share of generated tokens equal to eager's (greedy; float8 layers may change some). Cells whose KV
+cache would pass --max-tokens (batch x context) are skipped and listed. Results are written after every cell (a
+run cut short keeps what it measured); the last run's rows on this device of cells not measured now (and with
+--only, of the other variants) are kept, each with its time of measurement: a grid can be measured in several
+calls.
 """
 
 from __future__ import annotations
@@ -55,22 +61,29 @@ def generate(model, prompt, n: int, compiled: bool, cache_len: int) -> torch.Ten
         return model.generate(prompt, **kwargs)
 
 
-def timed(model, prompt, n: int, compiled: bool, cache_len: int, repeats: int) -> tuple[float, torch.Tensor]:
-    """Least seconds of generate(n new tokens) after one warm-up call (compilation, graph capture). The least, not
-    the median: a call can pay one-off host work that is not the decoder's steady state (cuDNN's SDPA builds an
-    execution plan for each new KV length it meets: on an H200 a decode step of the demo's model took 42 ms at a
-    new length, 4 ms at one seen before)."""
+def seconds(model, prompt, n: int, compiled: bool, cache_len: int) -> tuple[float, torch.Tensor]:
+    if prompt.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
     out = generate(model, prompt, n, compiled, cache_len)
-    times = []
-    for _ in range(repeats):
-        if prompt.is_cuda:
+    if prompt.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def gpu_ms_per_step(model, prompt, n: int, compiled: bool, cache_len: int) -> float | None:
+    """The GPU's busy time per decode step: the profiler's kernel time for n new tokens minus that for 1."""
+    if not prompt.is_cuda:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    busy = {}
+    for k in (1, n):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate(model, prompt, k, compiled, cache_len)
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = generate(model, prompt, n, compiled, cache_len)
-        if prompt.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times), out
+        busy[k] = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    return (busy[n] - busy[1]) / (n - 1)
 
 
 def main() -> None:
@@ -95,31 +108,48 @@ def main() -> None:
     base.config.max_position_embeddings = max(contexts) + new
     base = base.to(device=device, dtype=torch.float32 if args.smoke else torch.bfloat16).eval()
     meta = {"kernel": f"e2e_decode_{args.model}", "model": what, "dtype": "bf16", "new_tokens": new}
-    rows = [] if args.smoke else harness.kept_rows(meta["kernel"], args.only)
     skipped = [(b, c) for b in batches for c in contexts if b * c > args.max_tokens]
     cells = [(b, c) for b in batches for c in contexts if b * c <= args.max_tokens]
+    # the last run's rows of cells (and, with --only, variants) not measured now stay: a grid in several calls
+    rows = [
+        r
+        for r in ([] if args.smoke else harness.last_rows(meta["kernel"]))
+        if (r["batch"], r["context"]) not in cells or (args.only and r["variant"] not in args.only)
+    ]
     eager_tokens = {}
     chosen = [v for v in VARIANTS if not args.only or v in args.only or v == "eager"]
     models = {v: copy.deepcopy(base) for v in chosen}
-    # cell by cell, every variant back to back: an eager decode step is host-bound and moved by up to 30 % between
-    # passes over the grid (the same unchanged model, measured a few minutes apart); side by side, a cell's
-    # variants see the same state of the machine
+    # every variant's compiled decode step stays cached through a cell (the variants' models share forward's code)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(chosen))
     for batch, context in cells if args.smoke else harness.progress(cells, "cells"):
         g = torch.Generator().manual_seed(batch * 100003 + context)
         prompt = torch.randint(cfg["vocab"], (batch, context), generator=g).to(device)
+        torch._dynamo.reset()  # the last cell's compiled steps, graphs and their memory go
+        reports, outs = {}, {}
+        times = {(v, n): [] for v in chosen for n in (1, new)}
+        compiled = {v: v.endswith("reduce-overhead") and not args.smoke for v in chosen}  # no CUDA graphs on CPU
         for variant in chosen:
             model = models[variant]
-            compiled = variant.endswith("reduce-overhead") and not args.smoke  # no CUDA graphs on the CPU
-            report = None
             if variant.startswith("kp.optimize"):
                 kp.restore(model)
                 deny = ["attention"] + (["float8", "sparsity"] if args.smoke else [])
-                timer = kp.graph_timer if compiled else None  # graphed decode steps: the GPU's time alone
-                report = kp.optimize(model, (prompt[:, -1:],), mode="infer", deny=deny, timer=timer, report=False)
-            torch._dynamo.reset()  # the last compiled cell's graphs and their memory go
-            t1, _ = timed(model, prompt, 1, compiled, context + new, repeats)
-            tn, out = timed(model, prompt, new, compiled, context + new, repeats)
-            generated = out[:, context:]
+                # decode steps graphed: layers by the GPU's time alone, the whole step compiled as generate will
+                timer = kp.compiled_timer(mode="reduce-overhead") if compiled[variant] else None
+                reports[variant] = kp.optimize(
+                    model, (prompt[:, -1:],), mode="infer", deny=deny, timer=timer, report=False
+                )
+            for n in (1, new):  # warm-up: compilation, graph capture, cuDNN's plan for each KV length
+                generate(model, prompt, n, compiled[variant], context + new)
+        for _ in range(repeats):  # round by round: every variant meets the same drift of the machine
+            for variant in chosen:
+                for n in (1, new):
+                    t, outs[variant] = seconds(models[variant], prompt, n, compiled[variant], context + new)
+                    times[variant, n].append(t)
+        for variant in chosen:
+            model, report = models[variant], reports.get(variant)
+            t1, tn = min(times[variant, 1]), min(times[variant, new])
+            gpu_ms = gpu_ms_per_step(model, prompt, new, compiled[variant], context + new)
+            generated = outs[variant][:, context:]
             if variant == "eager":
                 eager_tokens[batch, context] = generated
             same = (generated == eager_tokens[batch, context]).float().mean().item()
@@ -128,14 +158,17 @@ def main() -> None:
                 decode_tokens_per_s=batch * (new - 1) / max(tn - t1, 1e-9),
                 ms_per_token=(tn - t1) / (new - 1) * 1e3,
                 prefill_ms=t1 * 1e3,
+                gpu_ms_per_step=gpu_ms,
                 same_tokens=same,
                 measured=time.strftime("%Y-%m-%d %H:%M"),
             )
             if report is not None:
-                row.update(optimize_s=report.seconds, chosen=report.chosen)
+                row.update(optimize_s=report.seconds, chosen=report.chosen, step=report.step)
             print(
                 f"{variant:38s} batch {batch:3d} context {context:6d}: {row['decode_tokens_per_s']:9.0f} tok/s "
-                f"({row['ms_per_token']:.2f} ms/step), same tokens {same:.0%}",
+                f"({row['ms_per_token']:.2f} ms/step"
+                + (f", GPU {gpu_ms:.2f}" if gpu_ms else "")
+                + f"), same tokens {same:.0%}",
                 flush=True,
             )
             if args.smoke or variant != "eager" or not args.only or "eager" in args.only:
@@ -189,17 +222,39 @@ def render(meta: dict, rows: list[dict], skipped: list) -> str:
         ro = by.get(("compile reduce-overhead", batch, context))
         ratio = f"{best_kp / ro['decode_tokens_per_s']:.2f}x" if best_kp and ro else "-"
         lines.append(f"| {batch} | {context} | " + " | ".join(cols) + f" | {ratio} |")
+    lines += [
+        "",
+        "Wall time and GPU busy time per decode step, ms (the difference is host time kernels cannot save):",
+        "",
+        "| batch | context | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for batch, context in cells:
+        cols = []
+        for v in names:
+            r = by.get((v, batch, context))
+            gpu = None if r is None else r.get("gpu_ms_per_step")
+            cols.append(
+                "-" if r is None else f"{r['ms_per_token']:.2f} / {gpu:.2f}" if gpu else f"{r['ms_per_token']:.2f}"
+            )
+        lines.append(f"| {batch} | {context} | " + " | ".join(cols) + " |")
     if skipped:
         lines += ["", "Skipped (KV cache above --max-tokens): " + ", ".join(f"{b} x {c}" for b, c in skipped) + "."]
     seen = set()  # each distinct set of choices once, at the first cell that made it
     for r in rows:
-        key = json.dumps(r.get("chosen"), sort_keys=True)
+        key = json.dumps([r.get("chosen"), r.get("step", {}).get("reverted")], sort_keys=True)
         if "chosen" in r and key not in seen:
             seen.add(key)
+            step = r.get("step") or {}
+            checked = ""
+            if step:
+                checked = f"; whole step torch {step['torch_ms']:.3f} ms, kp {step['kp_ms']:.3f} ms"
+                checked += f", reverted {', '.join(step['reverted'])}" if step.get("reverted") else ""
             lines += [
                 "",
-                f"kp.optimize at batch {r['batch']}, context {r['context']} ({r['optimize_s']:.1f} s): "
+                f"{r['variant']} at batch {r['batch']}, context {r['context']} ({r['optimize_s']:.1f} s): "
                 + (", ".join(f"{k}: {v}" for k, v in r["chosen"].items()) or "nothing changed")
+                + checked
                 + ".",
             ]
     lines += ["", "Measured (UTC): " + ", ".join(sorted({r["measured"] for r in rows})) + "."]

@@ -139,14 +139,18 @@ def publish(kernel: str, meta: dict, rows: list[dict], render, plot, echo: bool 
         print(f"wrote {out}")
 
 
+def last_rows(kernel: str) -> list[dict]:
+    """The rows of the last run of `kernel` on this device ([] when there is none)."""
+    path = RESULTS / device_slug() / f"{kernel}.json"
+    return json.loads(path.read_text())["rows"] if path.exists() else []
+
+
 def kept_rows(kernel: str, only, known=None) -> list[dict]:
     """With --only VARIANT..., the rows of the other variants (of `known` ones, when given) from the last run of
     `kernel` on this device, so that a long table can be measured in several calls; [] without --only."""
-    path = RESULTS / device_slug() / f"{kernel}.json"
-    if not only or not path.exists():
+    if not only:
         return []
-    rows = json.loads(path.read_text())["rows"]
-    return [r for r in rows if r["variant"] not in only and (known is None or r["variant"] in known)]
+    return [r for r in last_rows(kernel) if r["variant"] not in only and (known is None or r["variant"] in known)]
 
 
 def plot_grouped(rows: list[dict], path, group: str, value: str, ylabel: str, title: str) -> None:

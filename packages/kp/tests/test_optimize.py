@@ -270,3 +270,34 @@ def test_the_float64_reference_keeps_a_layers_own_float32_casts_in_float64():
     report = kp.check(model, (ids,), allow=["norms"], report=False)
     assert len(report.layers) == 5
     assert all(t.status == "checked" for layer in report.layers for t in layer.tried), report.text()
+
+
+def test_a_compiling_timer_checks_the_whole_step_compiled_and_undoes_a_family_at_a_time():
+    """kp.compiled_timer: the whole step reaches its step timer compiled (dynamo ran; "eager" backend here, the
+    mechanics without inductor), each timing under a code object of its own; layers reach it as they are; when
+    kp's step is slower, the least useful family (both gated MLPs) goes at once, not one layer."""
+    model, ids = llama(DEVICE)
+    layers = {("*", "torch"): 1.0, ("*", "kp_norms.RMSNorm"): 0.5, ("*", "kp_norms.GatedMLP"): 0.8}
+    fixed = FixedTimer(layers, {"torch": 2.0, "kp": 2.5, "kp without glu": 1.9})
+    whole, plain = [], []
+
+    def inner(layer, candidate, fn):
+        (whole if layer == "(whole step)" else plain).append(fn)
+        return fixed(layer, candidate, fn)
+
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    deny = [*NO_FLOAT8, "attention", "graphs"]
+    timer = kp.compiled_timer(inner, inner, backend="eager")
+    report = kp.optimize(model, (ids,), mode="infer", deny=deny, timer=timer, cache=False, report=False)
+    assert report.step == {"torch_ms": 2.0, "kp_ms": 1.9, "reverted": ["model.layers.0.mlp", "model.layers.1.mlp"]}
+    assert set(report.chosen.values()) == {"kp_norms.RMSNorm"} and len(report.chosen) == 5
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert [c for c in fixed.calls if c[0] == "(whole step)"] == [("(whole step)", c) for c in fixed.step]
+    assert torch._dynamo.utils.counters["frames"]["ok"] >= frames + 3
+    originals = [f._torchdynamo_orig_callable for f in whole]
+    assert len({id(f.__code__) for f in originals}) == 3  # (equal code objects compare equal: ids)
+    assert not any(hasattr(f, "_torchdynamo_orig_callable") for f in plain)
+    with pytest.raises(TypeError, match="timer must be callable"):
+        kp.compiled_timer("fast")
+    with pytest.raises(TypeError, match="step_timer must be callable"):
+        kp.compiled_timer(step_timer=2.0)

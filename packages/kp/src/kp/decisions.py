@@ -1,10 +1,10 @@
 """kp.optimize and kp.check: per layer of the user's model, each applicable kp candidate is checked against a
 float64 copy of that layer (the user's weights, the layer's own inputs from the example batch) and timed against
 PyTorch's own; the fastest checked one replaces the layer when it is faster by `min_speedup`. Then the whole step
-is timed with and without the replacements, and replacements are undone, least useful first, until the step is not
-slower than PyTorch's. Between the two, fusions across packages (kp.fusions) join a chosen kp norm to the float8
-layers that read its output, where that is bit for bit the same and faster. Last, in training on a GPU, the whole
-model replayed from CUDA graphs is checked and timed against the eager step (kp.graphs)."""
+is timed with and without the replacements, and replacements are undone, least useful first, until the step is
+faster than PyTorch's by min_speedup. Between the two, fusions across packages (kp.fusions) join a chosen kp norm
+to the float8 layers that read its output, where that is bit for bit the same and faster. Last, in training on a
+GPU, the whole model replayed from CUDA graphs is checked and timed against the eager step (kp.graphs)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,18 @@ from kp import cache as disk
 from kp import fusions, graphs
 from kp.candidates import ATTENTION, Candidate, candidates, kind_of
 from kp.env import environment
-from kp.measure import Inputs, Timer, default_timer, floats, step, timer_name, trainable, upstream, whole_step
+from kp.measure import (
+    WHOLE_STEP,
+    Inputs,
+    Timer,
+    default_timer,
+    floats,
+    step,
+    timer_name,
+    trainable,
+    upstream,
+    whole_step,
+)
 from kp.measure import check as check_layer
 from kp.report import Layer, Report, Tried
 from kp.sites import Site, capture
@@ -191,9 +202,10 @@ class Swap:
     depth: int  # outer layers are applied first: inner ones then land in the new outer module, which holds them
     gain_ms: float  # the layer's (or all attention layers') measured gain over PyTorch's
     apply: Callable[[nn.Module, list], None]  # (model, undo): does it, appending (name, how to undo it) to undo
+    family: str = ""  # the chosen candidate's ("norms", "float8", ...): a compiling timer's reverts go by family
 
 
-def _module_swap(site: Site, new: nn.Module, gain_ms: float) -> Swap:
+def _module_swap(site: Site, new: nn.Module, gain_ms: float, family: str) -> Swap:
     def apply(model: nn.Module, undo: list) -> None:
         # wherever the module is: every name of a shared module, and inside an already replaced outer module
         for name, module in list(model.named_modules(remove_duplicate=False)):
@@ -204,7 +216,7 @@ def _module_swap(site: Site, new: nn.Module, gain_ms: float) -> Swap:
                 parent._modules[child] = new
                 undo.append((name, lambda p=parent, c=child, m=previous: p._modules.__setitem__(c, m)))
 
-    return Swap(site.name, site.name.count("."), gain_ms, apply)
+    return Swap(site.name, site.name.count("."), gain_ms, apply, family)
 
 
 def _attention_switch(gain_ms: float) -> Swap:
@@ -213,7 +225,7 @@ def _attention_switch(gain_ms: float) -> Swap:
         kp_attention.patch(root)
         undo.append((ATTENTION_LAYERS, lambda: kp_attention.unpatch(root)))
 
-    return Swap(ATTENTION_LAYERS, -1, gain_ms, apply)
+    return Swap(ATTENTION_LAYERS, -1, gain_ms, apply, "attention")
 
 
 def restore(model: nn.Module) -> list[str]:
@@ -257,10 +269,11 @@ def optimize(
     "sparsity", "graphs": the whole model from CUDA graphs, kp.graphs) and layer names ("model.layers.0.*"); deny
     wins. loss_budget: the relative error (L2, against float64) that a candidate changing the layer's function
     (float8, 2:4) may have in each output and gradient; lossless candidates must meet kp's conformance rule instead.
-    min_speedup: how much faster a candidate must be to replace PyTorch's layer. timer(layer, candidate, fn) -> ms
-    replaces the built-in timing (CUDA events around each call, the host's launch cost included); kp.graph_timer
-    times the GPU's work alone, for a model that will be compiled or run from CUDA graphs; kp.rank0_timer(timer)
-    makes every rank of a job choose alike.
+    min_speedup: how much faster a candidate must be to replace PyTorch's layer, and kp's whole step PyTorch's.
+    timer(layer, candidate, fn) -> ms replaces the built-in timing (CUDA events around each call, the host's launch
+    cost included); kp.graph_timer times the GPU's work alone, for a model that will be compiled or run from CUDA
+    graphs; kp.compiled_timer() also compiles the whole step for the never-slower check, so that kp's layers are
+    weighed against what torch.compile makes of PyTorch's; kp.rank0_timer(timer) makes every rank choose alike.
     check_rows: rows of each layer's input used for the float64 check. cache: reuse the times measured for the
     same layers, versions and GPU (file: kp.cache.path()); on a hit only the candidate about to be chosen is
     checked again."""
@@ -295,13 +308,14 @@ def optimize(
             attention.append(layer)
         elif layer.choice != "torch":
             gain = layer.torch_ms - next(t.ms for t in layer.tried if t.name == layer.choice)
-            swaps.append(_module_swap(site, passed[layer.choice], gain))
+            family = next(c.family for c in cands if c.name == layer.choice)
+            swaps.append(_module_swap(site, passed[layer.choice], gain, family))
     if attention:
         swaps += _attention(attention, min_speedup)
     if swaps and _allowed(("fusion",), allow, deny):
         swaps += _fusions(model, example_inputs, swaps, inputs_of, timer, min_speedup, result)
     if swaps:
-        swaps = _never_slower(model, example_inputs, mode, timer, swaps, result)
+        swaps = _never_slower(model, example_inputs, mode, timer, min_speedup, swaps, result)
     if _allowed((graphs.CANDIDATE, graphs.FAMILY, graphs.SITE), allow, deny):
         swaps += _graphs(model, example_inputs, mode, timer, min_speedup, swaps, cached, fresh, env, result)
     if cache and fresh:
@@ -329,7 +343,9 @@ def _graphs(model, example_inputs, mode, timer, min_speedup, swaps, cached, fres
     if graphed is None:
         return []
     gain = layer.torch_ms - layer.tried[0].ms
-    swap = Swap(graphs.SITE, 10**6, gain, lambda m, undo: graphs.install(m, graphed, len(example_inputs), undo))
+    swap = Swap(
+        graphs.SITE, 10**6, gain, lambda m, undo: graphs.install(m, graphed, len(example_inputs), undo), graphs.FAMILY
+    )
     _apply(model, [*swaps, swap])
     return [swap]
 
@@ -374,9 +390,9 @@ def _fusion_swap(f: fusions.Fusable, name: str, gain_ms: float) -> Swap:
     then, so that it holds the children the other swaps chose (an MLP's float8 projections)."""
 
     def apply(model: nn.Module, undo: list) -> None:
-        _module_swap(Site(f.name, f.module, "fusion"), f.fused(), gain_ms).apply(model, undo)
+        _module_swap(Site(f.name, f.module, "fusion"), f.fused(), gain_ms, "fusion").apply(model, undo)
 
-    return Swap(name, f.name.count(".") + 1.5, gain_ms, apply)
+    return Swap(name, f.name.count(".") + 1.5, gain_ms, apply, "fusion")
 
 
 def _attention(layers: list[Layer], min_speedup: float) -> list[Swap]:
@@ -403,20 +419,28 @@ def _attention(layers: list[Layer], min_speedup: float) -> list[Swap]:
     return [_attention_switch(torch_total - kp_total)] if chosen else []
 
 
-def _never_slower(model, example_inputs, mode, timer, swaps: list[Swap], result: Report) -> list[Swap]:
-    """Time the whole step with PyTorch's layers and with kp's; undo the least useful swap until kp's step is not
-    slower. Returns the swaps kept (in place in the model)."""
+def _never_slower(model, example_inputs, mode, timer, min_speedup, swaps: list[Swap], result: Report) -> list[Swap]:
+    """Time the whole step with PyTorch's layers and with kp's; undo the least useful swap (with a compiling
+    timer, kp.compiled_timer: the least useful family of swaps) until kp's step is faster by min_speedup, as a
+    layer must be: a change within the timings' noise is not kept (nothing is, if none is left). Returns the swaps
+    kept (in place in the model)."""
     run = whole_step(model, example_inputs, mode)
-    torch_ms = timer("(whole step)", "torch", run)
+    torch_ms = timer(WHOLE_STEP, "torch", run)
     _apply(model, swaps)
-    kp_ms = timer("(whole step)", "kp", run)
-    reverted = []
-    while swaps and kp_ms > torch_ms:
-        worst = min(swaps, key=lambda s: s.gain_ms)
-        swaps = [s for s in swaps if s is not worst]
-        reverted.append(worst.name)
+    kp_ms = timer(WHOLE_STEP, "kp", run)
+    by_family = getattr(timer, "compiles", False)
+    reverted, undone = [], []
+    while swaps and kp_ms * min_speedup > torch_ms:
+        units: dict[str, list[Swap]] = {}
+        for s in swaps:
+            units.setdefault(s.family if by_family else s.name, []).append(s)
+        unit = min(units, key=lambda u: sum(s.gain_ms for s in units[u]))
+        gone = {id(s) for s in units[unit]}
+        swaps = [s for s in swaps if id(s) not in gone]
+        reverted += [s.name for s in units[unit]]
+        undone.append(unit)
         _apply(model, swaps)
-        kp_ms = timer("(whole step)", f"kp without {', '.join(reverted)}", run)
+        kp_ms = timer(WHOLE_STEP, f"kp without {', '.join(undone)}", run)
     result.step = {"torch_ms": torch_ms, "kp_ms": kp_ms, "reverted": reverted}
     for layer in result.layers:
         unit = ATTENTION_LAYERS if layer.kind == "attention" else layer.name
@@ -424,7 +448,7 @@ def _never_slower(model, example_inputs, mode, timer, swaps: list[Swap], result:
             for t in layer.tried:
                 if t.name == layer.choice:
                     t.status = "reverted"
-            layer.why = f"{layer.why}; reverted: the whole step was slower with it"
+            layer.why = f"{layer.why}; reverted: the whole step was not {min_speedup:.2f}x faster with it"
             layer.choice = "torch"
     return swaps
 

@@ -21,6 +21,9 @@ from kp.sites import Site
 Timer = Callable[[str, str, Callable[[], object]], float]
 
 
+WHOLE_STEP = "(whole step)"  # the site name kp.optimize's never-slower check times the whole step under
+
+
 def timer_name(timer: Timer) -> str:
     """What kp.optimize's cache keys times by (times taken by one timer are not served to another)."""
     return getattr(timer, "__qualname__", type(timer).__qualname__)
@@ -82,6 +85,37 @@ def graph_timer(site: str, candidate: str, fn: Callable[[], object]) -> float:
         return default_timer(site, candidate, graph.replay)
     finally:
         del graph  # its memory pool back before the next candidate
+
+
+def compiled_timer(timer: Timer | None = None, step_timer: Timer | None = None, **compile_options) -> Timer:
+    """A timer for a model that will run under torch.compile: each layer alone is timed by `timer` (default
+    graph_timer: compiling every candidate would cost a compile each), and the whole step (kp.optimize's
+    never-slower check, with and without kp's layers) is compiled with torch.compile(**compile_options) and timed
+    by `step_timer` (default default_timer: what the compiled step costs, the host's share included: dynamo's
+    guards, which grow with the modules kp puts in, and inductor's launches or, with mode="reduce-overhead", one
+    graph replay). So kp's layers are weighed against what inductor makes of PyTorch's, fusions and host costs
+    included. Every whole-step timing compiles afresh, under its own code object: no entry of dynamo's cache is
+    reused or counted against its recompile limit. kp.optimize undoes its choices family by family with this timer
+    (norms, glu, float8, ...), not layer by layer: each timing is a compile."""
+    inner, outer = timer or graph_timer, step_timer or default_timer
+    for name, value in (("timer", inner), ("step_timer", outer)):
+        if not callable(value):
+            raise TypeError(f"kp.compiled_timer: {name} must be callable(layer, candidate, fn) -> ms, got {value!r}")
+
+    def timed(site: str, candidate: str, fn: Callable[[], object]) -> float:
+        if site != WHOLE_STEP:
+            return inner(site, candidate, fn)
+
+        def step():
+            return fn()
+
+        step.__code__ = step.__code__.replace()  # a new code object: a cache of dynamo's of its own
+        return outer(site, candidate, torch.compile(step, **compile_options))
+
+    options = "".join(f", {k}={v!r}" for k, v in sorted(compile_options.items()))
+    timed.__qualname__ = f"compiled_timer({timer_name(inner)}, {timer_name(outer)}{options})"
+    timed.compiles = True
+    return timed
 
 
 def rank0_timer(timer: Timer | None = None, group=None) -> Timer:
