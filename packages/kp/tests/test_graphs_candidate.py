@@ -92,7 +92,10 @@ def test_optimize_graphs_the_whole_model_and_restore_removes_it():
 @pytest.mark.xfail(
     strict=True,
     reason="known bug, open: a Hugging Face Llama's graphed step gives other logits than its eager step (0.135 "
-    "apart on an H100, torch 2.11, transformers 5.17), so decide() refuses the graph; cause not found yet",
+    "apart on an H100, torch 2.11, transformers 5.17), so decide() refuses the graph. Per module (H100), the first "
+    "output that differs is the attention's (o_proj's input; q, k, v projections are bit-identical, and GEMMs of "
+    "the model's shapes give the same bits captured and eager): under capture the attention runs another kernel "
+    "or mask path than eagerly; the check needs a tolerance for that, not bit equality",
 )
 def test_a_graphed_llama_still_generates_through_its_own_forward():
     model, ids = llama(DEVICE)
