@@ -178,7 +178,8 @@ def render(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         ratio = f"{best_anchor / r['ms']:.2f}x" if best_anchor else "-"
         loss = f"{r['final_loss']:.4f}" if "final_loss" in r else "-"
-        rel = f"{r['final_loss'] / eager['final_loss'] - 1:+.2%}" if "final_loss" in r and eager else "-"
+        both = "final_loss" in r and eager and "final_loss" in eager  # (--steps 0: no loss curve)
+        rel = f"{r['final_loss'] / eager['final_loss'] - 1:+.2%}" if both else "-"
         lines.append(
             f"| {r['variant']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {ratio} | {r['host_ms']:.2f} "
             f"| {r['peak_mib']:.0f} | {loss} | {rel} |"
