@@ -40,7 +40,8 @@ for step in "$@"; do
     cpu) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/cpu_overhead.py ;;
     demo) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/demo.py ;;
     tune-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#tune-}.py" --tune ;;
-    bench-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#bench-}.py" ${BENCH_ARGS:-} ;;
+    bench-*) eval "args=(${BENCH_ARGS:-})"  # shell words: BENCH_ARGS='--only "kp.optimize + compile"' keeps its quotes
+             PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#bench-}.py" "${args[@]}" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac 2>&1 | tee -a "$OUT/gpu_session.log"
   rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "step $step failed: rc=$rc"; status=1; }
