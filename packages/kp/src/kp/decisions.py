@@ -8,6 +8,7 @@ GPU, the whole model replayed from CUDA graphs is checked and timed against the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +24,7 @@ from kp.candidates import ATTENTION, Candidate, candidates, kind_of
 from kp.env import environment
 from kp.measure import (
     WHOLE_STEP,
+    Float64,
     Inputs,
     Timer,
     default_timer,
@@ -337,7 +339,15 @@ def _graphs(model, example_inputs, mode, timer, min_speedup, swaps, cached, fres
         return []
     key = disk.key(env, f"{mode} {timer_name(timer)}", graphs.signature(model, example_inputs), [graphs.CANDIDATE])
     eager_ms = result.step["kp_ms"] if result.step else None  # _never_slower timed this very step
-    layer, graphed, fresh[key] = graphs.decide(model, example_inputs, timer, min_speedup, cached.get(key, {}), eager_ms)
+    layer, graphed, fresh[key] = graphs.decide(
+        model,
+        example_inputs,
+        timer,
+        min_speedup,
+        cached.get(key, {}),
+        eager_ms,
+        reference=lambda: _float64_step(model, example_inputs, swaps),
+    )
     layer.cached = key in cached
     result.layers.append(layer)
     if graphed is None:
@@ -348,6 +358,27 @@ def _graphs(model, example_inputs, mode, timer, min_speedup, swaps, cached, fres
     )
     _apply(model, [*swaps, swap])
     return [swap]
+
+
+def _float64_step(model: nn.Module, example_inputs: tuple, swaps: list[Swap]) -> list[torch.Tensor | None]:
+    """The training step of the model with PyTorch's own layers (kp's choices undone on a float64 copy), in
+    float64: its outputs, then a gradient per trainable parameter of the model as it is now, matched by identity
+    (None for one of kp's own that the original lacks), the order of kp.graphs' results."""
+    order = trainable(model)
+    graphed = model.__dict__.pop("forward", None)  # kp.graphs' replaying forward, if installed: not copied
+    restore(model)
+    try:
+        originals = {id(p): i for i, p in enumerate(trainable(model))}
+        reference = copy.deepcopy(model).to(torch.float64)
+    finally:
+        _apply(model, swaps)
+        if graphed is not None:
+            model.__dict__["forward"] = graphed
+    inputs = tuple(a.to(torch.float64) if torch.is_tensor(a) and a.is_floating_point() else a for a in example_inputs)
+    with Float64():
+        outs, grads = whole_step(reference, inputs, "train")()
+    del reference
+    return [o.detach() for o in outs] + [grads[originals[id(p)]] if id(p) in originals else None for p in order]
 
 
 def _fusions(model, example_inputs, swaps, inputs_of, timer, min_speedup, result) -> list[Swap]:
