@@ -325,3 +325,12 @@ def test_the_whole_step_is_timed_twice_each_side_keeping_its_least():
     timer = Scripted(layers, {"torch": [10.0, 2.0], "kp": [5.0, 1.5]})
     report = kp.optimize(model, (x,), deny=[*NO_FLOAT8, "graphs"], timer=timer, report=False, cache=False)
     assert report.step == {"torch_ms": 2.0, "kp_ms": 1.5, "reverted": []} and len(report.chosen) == 2
+
+
+def test_the_float64_reference_keeps_every_lower_float_cast_in_float64():
+    """Hugging Face's rotary embedding casts integer position ids with .float(): in the reference run that is
+    float64, as the float64 inverse frequencies it multiplies."""
+    with measure.Float64():
+        assert torch.arange(3).float().dtype == torch.float64
+        assert torch.ones(2, dtype=torch.float16).half().dtype == torch.float64
+        assert torch.zeros(2, dtype=torch.float32).dtype == torch.float64

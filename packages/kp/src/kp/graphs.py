@@ -3,8 +3,10 @@
 
 A graph replays the step's kernels with one launch, so it removes the host's cost of launching them, which bounds a
 small model's eager step. It is checked against the eager step it replaces, run on the stream the graph is captured
-on (outputs and gradients; the same kernels, so they must agree to within the eager step's own run-to-run spread,
-which is zero unless a kernel adds with atomics), timed against it with the same timer, and kept when faster by
+on (outputs and gradients; mostly the same kernels, so they should agree to within the eager step's own run-to-run
+spread, which is zero unless a kernel adds with atomics; where they do not, as when PyTorch's attention picks
+another kernel or mask path while a stream captures, each must meet the conformance rule against a float64 step of
+the original model instead), timed against it with the same timer, and kept when faster by
 min_speedup. Not offered: off a GPU; in inference (a decode step's KV cache is state a graph would freeze:
 kp_graphs' decode loops serve that); with a timer of the GPU's work alone (kp.graph_timer: a graph saves nothing it
 counts); with a collective timer (a model sharded after kp.optimize is not graphed whole). The model's forward

@@ -224,7 +224,7 @@ class Float64(TorchFunctionMode):
     RMSNorms compute in float32 whatever their input: a float64 copy of one would be only as exact as float32)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _CASTS and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        if func in _CASTS and isinstance(args[0], torch.Tensor):  # integers too: a rotary's position ids
             return args[0].to(torch.float64)
         args = tuple(_float64(a) for a in args)
         return func(*args, **{k: _float64(v) for k, v in (kwargs or {}).items()})
