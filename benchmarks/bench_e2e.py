@@ -138,6 +138,7 @@ def main() -> None:
             opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
             curve = [train_step(fresh, opt, b).item() for b in data]
             row["final_loss"] = sum(curve[-20:]) / len(curve[-20:])
+            row["loss_steps"] = len(curve)
             del fresh, opt
         rows = [r for r in rows if r["variant"] != name] + [row]
         print(
@@ -178,7 +179,8 @@ def render(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         ratio = f"{best_anchor / r['ms']:.2f}x" if best_anchor else "-"
         loss = f"{r['final_loss']:.4f}" if "final_loss" in r else "-"
-        both = "final_loss" in r and eager and "final_loss" in eager  # (--steps 0: no loss curve)
+        # (--steps 0: no loss curve; a row kept from a run of other --steps: not comparable)
+        both = "final_loss" in r and eager and "final_loss" in eager and r.get("loss_steps") == eager.get("loss_steps")
         rel = f"{r['final_loss'] / eager['final_loss'] - 1:+.2%}" if both else "-"
         lines.append(
             f"| {r['variant']} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {ratio} | {r['host_ms']:.2f} "
