@@ -119,6 +119,7 @@ def main() -> None:
     eager_tokens = {}
     chosen = [v for v in VARIANTS if not args.only or v in args.only or v == "eager"]
     models = {v: copy.deepcopy(base) for v in chosen}
+    compiled = {v: v.endswith("reduce-overhead") and not args.smoke for v in chosen}  # no CUDA graphs on the CPU
     # every variant's compiled decode step stays cached through a cell (the variants' models share forward's code)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(chosen))
     for batch, context in cells if args.smoke else harness.progress(cells, "cells"):
@@ -127,7 +128,6 @@ def main() -> None:
         torch._dynamo.reset()  # the last cell's compiled steps, graphs and their memory go
         reports, outs = {}, {}
         times = {(v, n): [] for v in chosen for n in (1, new)}
-        compiled = {v: v.endswith("reduce-overhead") and not args.smoke for v in chosen}  # no CUDA graphs on CPU
         for variant in chosen:
             model = models[variant]
             if variant.startswith("kp.optimize"):

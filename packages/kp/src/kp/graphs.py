@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kp_core
 import kp_graphs
-from kp.measure import timer_name, whole_step
+from kp.measure import rule_ratio, timer_name, whole_step
 from kp.report import Layer, Tried
 from kp.sites import Site
 
@@ -126,22 +125,19 @@ def decide(
             detail = (
                 f"outputs and gradients within eager's own spread (largest difference {max(diff, default=0.0):.3g})"
             )
+            rule = None  # the float64 verdict's line, when eager's spread was not enough
             if bad and reference is not None:
-                meets, line = _against_float64(eager, got, reference)
+                meets, rule = _against_float64(eager, got, reference)
                 if meets:
-                    bad, detail = (
-                        [],
-                        f"differs from eager by up to {max(diff):.3g}, within the rule against float64: {line}",
-                    )
-                else:
-                    bad = [(*bad[0], line)]
+                    bad = []
+                    detail = f"differs from eager by up to {max(diff):.3g}, within the rule against float64: {rule}"
             if bad:
-                i, d, n, *rule = bad[0]
+                i, d, n = bad[0]
                 model.__dict__.pop("forward", None)  # eager again, on the default stream, for the report only
                 default = spread(eager, _results(run))[i]
                 error = (
                     f"result {i} differs from eager's by {d:.3g} (eager's own run-to-run spread: {n:.3g}; eager on "
-                    f"the default stream differs by {default:.3g})" + (f"; against float64, {rule[0]}" if rule else "")
+                    f"the default stream differs by {default:.3g})" + (f"; against float64, {rule}" if rule else "")
                 )
                 tried = Tried(CANDIDATE, "refused", error=error)
                 return _row(eager_ms, tried, "the graphed step did not match eager"), None, times
@@ -197,8 +193,7 @@ def _against_float64(eager: list, got: list, reference) -> tuple[bool, str]:
     for i, (low, ours, ref) in enumerate(zip(eager, got, refs, strict=True)):
         if ref is None or ours.numel() == 0:
             continue
-        err, bound = kp_core.rule_bound(ours, ref, low, low.dtype)
-        ratio = err / bound if bound else (0.0 if err == 0 else float("inf"))
+        ratio, err, bound = rule_ratio(ours, ref, low)
         if ratio > worst:
             worst, line = ratio, f"result {i}: error {err:.3g}, bound {bound:.3g} (2x eager's + 1 ulp)"
     return 0 <= worst <= 1, line

@@ -245,6 +245,13 @@ def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a.to(torch.float64) - ref).norm().item() / ref_norm if ref_norm else float(a.abs().max().item() > 0)
 
 
+def rule_ratio(ours: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor) -> tuple[float, float, float]:
+    """(error / the conformance rule's bound, the error, the bound) of `ours` against the float64 `ref64`, the
+    bound being twice `lowp`'s error plus an ulp; an error with a zero bound is infinitely over it."""
+    err, bound = kp_core.rule_bound(ours, ref64, lowp, lowp.dtype)
+    return (err / bound if bound else (0.0 if err == 0 else float("inf"))), err, bound
+
+
 def check(site: Site, candidate: nn.Module, mode: str, lossy: bool, budget: float, rows: int) -> Check:
     """The candidate against a float64 copy of the original layer, on the site's own inputs (their first `rows`
     rows) and the layer's own weights: outputs and, in training, the input's and every parameter's gradient.
@@ -276,8 +283,7 @@ def check(site: Site, candidate: nn.Module, mode: str, lossy: bool, budget: floa
             ratio = rel / budget
             line = f"{name}: relative error {rel:.2e} (torch {rel_torch:.2e}, budget {budget:.0e})"
         else:
-            err, bound = kp_core.rule_bound(mine, ref, lowp, lowp.dtype)
-            ratio = err / bound if bound else (0.0 if err == 0 else float("inf"))
+            ratio, err, bound = rule_ratio(mine, ref, lowp)
             line = f"{name}: error {err:.2e}, bound {bound:.2e} (2x torch's + 1 ulp)"
         if ratio > worst or not detail:
             worst, detail = ratio, line
