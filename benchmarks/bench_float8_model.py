@@ -34,6 +34,7 @@ RECIPES = ("tensorwise", "rowwise")
 ACTIVE = 2048  # token ids the loss run's data uses (of the model's 32000)
 BLOCK = dict(dim=4096, heads=32, kv_heads=8, hidden=14336, eps=1e-5)
 MODEL = dict(vocab=32000, dim=2048, layers=4, heads=16, kv_heads=4, hidden=5632, eps=1e-5)
+PARTS = ("block", "model", "loss")  # the train step of the block, of the model; the loss curves
 SMOKE = dict(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, hidden=176, eps=1e-5)
 
 
@@ -136,13 +137,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps, nothing written")
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="what to measure now; the other parts' rows are kept from the last run on this device",
+    )
     args = ap.parse_args()
     if not args.smoke:
         harness.require_gpu()
     device = torch.device("cpu" if args.smoke else "cuda")
     cfg = SMOKE if args.smoke else MODEL
     steps, iters = (4, 1) if args.smoke else (args.steps, 10)
-    rows = []
+    rows = [] if args.smoke else [r for r in harness.last_rows("float8_model") if r["what"] not in args.parts]
 
     # train step time and memory
     torch.manual_seed(0)
@@ -150,6 +158,8 @@ def main() -> None:
     block_batch = (torch.randn(1 if args.smoke else 2, 32 if args.smoke else 4096, block.mlp.up_proj.in_features), None)
     model_batch = synthetic(cfg, 1, 2 if args.smoke else 8, 32 if args.smoke else 1024, device)[0]
     for what, base, batch in (("block", block, block_batch), ("model", demo.TinyLlama(**cfg), model_batch)):
+        if what not in args.parts:
+            continue
         base = base.to(device=device, dtype=torch.bfloat16)
         x, t = batch
         batch = (x.to(device=device, dtype=torch.bfloat16) if what == "block" else x, t)
@@ -165,14 +175,29 @@ def main() -> None:
 
     # loss curves; bf16 twice more from other initial weights: the spread between runs that differ only in their
     # random start, to read the float8 variants' gaps against
-    data = synthetic(cfg, steps, 2 if args.smoke else 8, 32 if args.smoke else 1024, device)
-    curves = {}
+    curves = {r["provider"]: r["curve"] for r in rows if r["what"] == "loss"}
+    if "loss" in args.parts:
+        loss_rows(cfg, steps, args.smoke, device, rows, curves)
+    if args.smoke:
+        return
+    rows.sort(key=lambda r: PARTS.index(r["what"]))  # kept rows and new ones in the table's order
+    meta = {"kernel": "float8_model", "op": "float8_linear", "dtype": "bf16 weights, float8 linears"}
+    meta.update(harness.versions())
+    md = render(meta, rows, len(next(iter(curves.values()), [])))
+    out = harness.write_results("float8_model", meta, rows, md, lambda p: plot(curves, meta, p))
+    print(md)
+    print(f"wrote {out}")
+
+
+def loss_rows(cfg: dict, steps: int, smoke: bool, device, rows: list, curves: dict) -> None:
+    """The loss curves' rows, appended to rows (and the curves to curves)."""
+    data = synthetic(cfg, steps, 2 if smoke else 8, 32 if smoke else 1024, device)
     for seed in (1, 2, 3):
         torch.manual_seed(seed)
         base = demo.TinyLlama(**cfg).to(device=device, dtype=torch.bfloat16)
         runs = variants(base, device) if seed == 1 else {f"bf16 (seed {seed})": base}
         for name, model in runs.items():
-            model = compiled(copy.deepcopy(model)) if not args.smoke else copy.deepcopy(model)
+            model = compiled(copy.deepcopy(model)) if not smoke else copy.deepcopy(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             curves[name] = [train_step(model, opt, data[i]).item() for i in range(steps)]
             print(f"loss {name:20s} first {curves[name][0]:.4f} last {curves[name][-1]:.4f}", flush=True)
@@ -181,14 +206,6 @@ def main() -> None:
         rows.append(
             dict(what="loss", provider=n, mode="compile", final_loss=v, vs_bf16=v / tail["bf16"] - 1, curve=curves[n])
         )
-    if args.smoke:
-        return
-    meta = {"kernel": "float8_model", "op": "float8_linear", "dtype": "bf16 weights, float8 linears"}
-    meta.update(harness.versions())
-    md = render(meta, rows, steps)
-    out = harness.write_results("float8_model", meta, rows, md, lambda p: plot(curves, meta, p))
-    print(md)
-    print(f"wrote {out}")
 
 
 def render(meta: dict, rows: list[dict], steps: int) -> str:

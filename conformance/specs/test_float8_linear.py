@@ -395,7 +395,9 @@ test_bad_input = kc.bad_input_test("float8_linear", BAD_INPUTS, DEVICE)
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.recipe}-{c.scaling}")
 def test_compile_fullgraph_equals_eager(config):
     """Forward and backward of a compiled Float8Linear (one graph, no break) equal eager's bit for bit, and
-    delayed scaling updates its histories the same way."""
+    delayed scaling updates its histories the same way. Compiled, a tensorwise layer's casts are the quantize op's
+    PyTorch maths for inductor to fuse (kp_precision.shared.cast): no quantize kernel runs there, and the bits must
+    still be the kernels'."""
     torch._dynamo.reset()
     layers = [make_layer(144, 48, True, config, torch.float32, 7) for _ in range(2)]
     x = kc.make_input((40, 144), torch.float32, DEVICE, "contiguous", seed=8)
@@ -408,7 +410,11 @@ def test_compile_fullgraph_equals_eager(config):
             with kp_core.record_launches() as rec:
                 y = fn(xi)
                 y.backward(torch.ones_like(y))
-            kc.assert_kernel_ran(rec, *OPS)
+            if compiled and config.recipe == "tensorwise":
+                assert not rec.backends("kp::quantize"), rec.launches
+                kc.assert_kernel_ran(rec, *(op for op in OPS if op != "kp::quantize"))
+            else:
+                kc.assert_kernel_ran(rec, *OPS)
         results.append((y, xi.grad, layer.weight.grad, [b.clone() for b in layer.buffers()]))
     (y0, gx0, gw0, b0), (y1, gx1, gw1, b1) = results
     assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)

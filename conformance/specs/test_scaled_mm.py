@@ -428,32 +428,42 @@ def test_route_epilogue(dtype, activation):
 def test_route():
     """On a GPU, a precise call whose scales are constant along K goes to torch._scaled_mm where the installed
     torch takes its dtypes and scale kinds, and a blockwise call (1 x 128 blocks of a; 128 x 128 or 1 x 128 of b)
-    to torch.nn.functional.scaled_mm, the epilogue in float32 (2x rule as everywhere); a fast call, and every call
-    under the interpreter, runs the kernel. Tensorwise e4m3, which every torch with float8 takes, must route, and
-    both blockwise pairs must on an sm_90 GPU whose torch has the blockwise recipes."""
+    to torch.nn.functional.scaled_mm, the epilogue in float32 (2x rule as everywhere); a fast call goes there only
+    with no bias and no activation (the kernel fuses them), and every call under the interpreter runs the kernel.
+    Tensorwise e4m3, which every torch with float8 takes, must route, precise and plain fast, and both blockwise
+    pairs must on an sm_90 GPU whose torch has the blockwise recipes."""
     m, k, n = 64, 256, 128  # two K-blocks: with one, a 1 x 128 scale is a per-row one (and routed as that)
     a, b = operand(m, k, torch.float8_e4m3fn, 1), operand(n, k, torch.float8_e4m3fn, 2).t()
     bias = kc.make_input((n,), torch.float32, DEVICE, "contiguous", seed=3)
     gpu = DEVICE.type == "cuda" and not kc.interpreting()
     routed = []
-    cases = ((("tensor", "tensor"), False), (("row", "column"), False), (("tensor", "tensor"), True))
-    blockwise = ((("block", "square"), False), (("block", "block"), False))
-    for kinds, fast in (*cases, *blockwise):
+    # (scale kinds, fast, plain: no bias and no activation)
+    cases = (
+        (("tensor", "tensor"), False, False),
+        (("row", "column"), False, False),
+        (("tensor", "tensor"), True, False),
+        (("tensor", "tensor"), True, True),
+    )
+    blockwise = ((("block", "square"), False, False), (("block", "block"), False, False))
+    for kinds, fast, plain in (*cases, *blockwise):
         sa, sb = make_scale(kinds[0], m, k, "a", 4), make_scale(kinds[1], n, k, "b", 5)
         layouts = (mm.scale_layout(sa, m, k, "a"), mm.scale_layout(sb, n, k, "b"))
+        bias_, act = (None, None) if plain else (bias, "gelu")
         with kp_core.pinned("scaled_mm_route", cublas=True), kp_core.record_launches() as rec:
             y = kp_precision.scaled_mm(
-                a, b, sa, sb, bias=bias, activation="gelu", out_dtype=torch.float32, use_fast_accum=fast
+                a, b, sa, sb, bias=bias_, activation=act, out_dtype=torch.float32, use_fast_accum=fast
             )
-            routes = gpu and route.routes(a, b, sa, sb, layouts, fast)
-        if routes:  # cuBLASLt's product, then kp's epilogue kernel, never the GEMM kernel
+            routes = gpu and route.routes(a, b, sa, sb, layouts, fast, plain)
+        if routes:  # cuBLASLt's product, then kp's epilogue kernel (a plain call needs none), never the GEMM kernel
             assert route.LIBRARY in rec.backends(OP), f"{kinds}: expected cuBLASLt, got {rec.launches}"
-            assert "_scaled_mm" not in rec.kernels(OP) and "_epilogue" in rec.kernels(OP), rec.launches
-            routed.append(kinds)
+            assert "_scaled_mm" not in rec.kernels(OP), rec.launches
+            assert ("_epilogue" in rec.kernels(OP)) != plain, rec.launches
+            routed.append((kinds, fast))
         else:
             kc.assert_kernel_ran(rec, OP)
-        ref, low = references(a, b, sa, sb, bias, "gelu", torch.float32, fast)
-        kc.check_close(f"route {kinds} fast={fast}", y, ref, low, torch.float32)
-    assert ("tensor", "tensor") in routed or not gpu, "a precise tensorwise call did not go to torch._scaled_mm"
+        ref, low = references(a, b, sa, sb, bias_, act, torch.float32, fast)
+        kc.check_close(f"route {kinds} fast={fast} plain={plain}", y, ref, low, torch.float32)
+    for kinds, fast in ((("tensor", "tensor"), False), (("tensor", "tensor"), True)):
+        assert (kinds, fast) in routed or not gpu, f"a tensorwise call (fast={fast}) did not go to torch._scaled_mm"
     if gpu and hasattr(F, "ScalingType") and torch.cuda.get_device_capability(DEVICE) == (9, 0):
-        assert {("block", "square"), ("block", "block")} <= set(routed), f"blockwise not routed: {routed}"
+        assert {(("block", "square"), False), (("block", "block"), False)} <= set(routed), f"not routed: {routed}"

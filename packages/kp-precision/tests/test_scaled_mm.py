@@ -57,3 +57,33 @@ def test_scales_must_match_the_operands():
     _, _, (a, b, sa, sb) = quantized("rowwise")
     with pytest.raises(ValueError, match=r"scale_b must be .* per column"):
         kp_precision.scaled_mm(a, b, sa, sb.t())  # a weight's (N, 1) scale not transposed
+
+
+def test_the_route_probe_runs_on_real_tensors_while_the_op_is_traced():
+    """A model compiled before any eager call: the probe (does torch._scaled_mm take these dtypes here?) runs while
+    the launcher is traced on fake tensors. It must answer as a real call does, since the answer is baked into the
+    compiled graph (it used to answer "no" there, leaving compiled models on the slower kernel)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kp_precision.ops import scaled_mm_route as route
+
+    _, _, (a, b, sa, sb) = quantized("tensorwise")
+    route._TAKES.clear()
+    real = route._takes(a, b, sa, sb)
+    route._TAKES.clear()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, kp_core.launches.inlining():
+        fake = [mode.from_tensor(t) for t in (a, b, sa, sb)]
+        assert route._takes(*fake) == real
+    assert list(route._TAKES.values()) == [real]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the route to cuBLASLt is a GPU path (the interpreter runs the kernel)")
+def test_a_compiled_call_takes_the_route_without_an_eager_call_first():
+    from kp_precision.ops import scaled_mm_route as route
+
+    _, _, (a, b, sa, sb) = quantized("tensorwise", m=256, k=512, n=256)
+    route._TAKES.clear()
+    torch._dynamo.reset()
+    ours = torch.compile(lambda *t: kp_precision.scaled_mm(*t, out_dtype=torch.float32))(a, b, sa, sb)
+    # the same cuBLASLt call gives the same bits; the kernel's float32 sums would not
+    assert torch.equal(ours, torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32))

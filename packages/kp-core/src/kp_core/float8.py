@@ -33,10 +33,16 @@ def soft_float8(backend: str) -> bool:
     return backend == INTERPRET if soft is None else soft
 
 
+def divide(a, b: torch.Tensor) -> torch.Tensor:
+    """a / b in float32 rounded once, as the kernels divide: computed in float64 and rounded to float32 (a float64
+    quotient of float32 operands rounds to the correctly rounded float32 one). Inductor's float32 division is not
+    correctly rounded (1 ulp off on the H100), and this runs in compiled graphs (kp_precision.shared.cast)."""
+    return (a / b.double()).float()
+
+
 def multiplier(amax: torch.Tensor, fp8: torch.dtype, power_of_2: bool) -> torch.Tensor:
     """q = FP8_MAX / max(amax, EPS) (float32), floored to a power of two with power_of_2; the scale is 1 / q."""
-    amax = amax.float()
-    q = torch.full_like(amax, fp8_max(fp8)) / amax.clamp(min=EPS)  # not mx / t: torch computes that as mx * (1 / t)
+    q = divide(fp8_max(fp8), amax.float().clamp(min=EPS))
     if power_of_2:
         q = torch.where(q.isnan(), q, (q.view(torch.int32) & 0x7F800000).view(torch.float32))
     return q
@@ -58,7 +64,7 @@ def reference_cast(y: torch.Tensor, fp8: torch.dtype, rowwise: bool, power_of_2:
     else:
         amax = yf.abs().amax(dim=1) if rowwise else yf.abs().amax()
     q = multiplier(amax, fp8, power_of_2)
-    return saturating_cast(yf, q[:, None] if rowwise else q, fp8), torch.ones_like(q) / q, amax
+    return saturating_cast(yf, q[:, None] if rowwise else q, fp8), divide(1.0, q), amax
 
 
 def cast_constexprs(fp8: torch.dtype, power_of_2: bool, soft: bool) -> dict:

@@ -13,6 +13,7 @@ from torch import nn
 
 from kp_precision.float8 import Float8Tensor
 from kp_precision.ops.quantize import QUANTIZE, TRANSPOSE
+from kp_precision.ops.quantize import reference as reference_cast
 from kp_precision.ops.scaled_mm import SCALED_MM
 
 E4M3 = torch.float8_e4m3fn
@@ -55,7 +56,14 @@ def unaligned(linear: nn.Linear) -> str | None:
 
 def cast(t: torch.Tensor, fp8: torch.dtype, block: tuple[int, int], power_of_2: bool, scale=None) -> Float8Tensor:
     """kp_precision.quantize(t, fp8, ...) for a (block_m, block_k) block ((0, 0) tensorwise, (1, 0) rowwise) and,
-    tensorwise, a given scale."""
+    tensorwise, a given scale.
+
+    Under torch.compile a 2-D tensorwise cast is the op's PyTorch maths (the same bits as its kernels, tested),
+    which inductor fuses into the kernels that make and read t: kp's amax and cast kernels are opaque to it, and
+    cost the float8 demo model 1.4 ms per step more than inductor's fused casts (H100, benchmarks/results)."""
+    if block == (0, 0) and t.dim() == 2 and t.numel() and torch.compiler.is_compiling():
+        data, s, amax = reference_cast(t, scale, fp8, 0, 0, power_of_2)
+        return Float8Tensor(data, s.reshape(()), amax.reshape(()), block)
     data, s, amax = QUANTIZE(t, scale, fp8, block[0], block[1], power_of_2)
     return Float8Tensor(data, s, amax, block)
 
@@ -66,13 +74,14 @@ def matmul(a, b, scale_a, scale_b, out_dtype, *, bias=None, activation="none", f
 
 
 def transpose(t: torch.Tensor) -> torch.Tensor:
-    """t.t().contiguous() in one tiled pass (kp::transpose)."""
-    return TRANSPOSE(t)
+    """t.t().contiguous() in one tiled pass (kp::transpose); under torch.compile inductor's own copy, which it
+    fuses with the kernel that made t."""
+    return t.t().contiguous() if torch.compiler.is_compiling() else TRANSPOSE(t)
 
 
 def column_major(data: torch.Tensor) -> torch.Tensor:
     """float8 (R, C) row-major data as the same matrix laid out column-major (one tiled transposing copy)."""
-    return TRANSPOSE(data).t()
+    return transpose(data).t()
 
 
 def scale_t(scale: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import functools
 import torch
 
 import kp_core
-from kp_core.float8 import EPS, FP8_DTYPES, fp8_max, multiplier, saturating_cast, soft_float8
+from kp_core.float8 import EPS, FP8_DTYPES, divide, fp8_max, multiplier, saturating_cast, soft_float8
 
 if kp_core.has_triton():
     from kp_precision.ops import quantize_kernels as kernels
@@ -103,22 +103,26 @@ def _blocks(x2: torch.Tensor, block_m: int, block_k: int) -> torch.Tensor:
     bm = m if block_m == 0 else block_m
     bk = k if block_k == 0 else block_k
     pm, pk = kp_core.cdiv(m, bm) * bm, kp_core.cdiv(k, bk) * bk
+    if (pm, pk) == (m, k):  # whole blocks: a view (no copy for inductor to make, kp_precision.shared.cast)
+        return x2.reshape(pm // bm, bm, pk // bk, bk)
     padded = x2.new_zeros((pm, pk))
     padded[:m, :k] = x2
     return padded.view(pm // bm, bm, pk // bk, bk)
 
 
-def _reference(x2, scale, fp8, block_m, block_k, power_of_2):
+def reference(x2, scale, fp8, block_m, block_k, power_of_2):
+    """(data, scale, amax) of a 2-D x2 in PyTorch, the kernels' maths bit for bit: the reference path, and the
+    tensorwise cast under torch.compile (kp_precision.shared.cast)."""
     xf = x2.float()
     if scale is not None:
-        q = torch.full_like(xf[:1, :1], 1.0) / scale.float().reshape(1, 1)
+        q = divide(1.0, scale.float().reshape(1, 1))
         amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
         s_out = scale.float().reshape(())
         qb = q
     else:
         amax = _blocks(xf, block_m, block_k).abs().amax(dim=(1, 3))  # (Mb, Kb)
         q = multiplier(amax, fp8, power_of_2)
-        s_out = torch.ones_like(q) / q
+        s_out = divide(1.0, q)
         bm = x2.shape[0] if block_m == 0 else block_m
         bk = x2.shape[1] if block_k == 0 else block_k
         qb = q.repeat_interleave(max(bm, 1), 0)[: x2.shape[0]].repeat_interleave(max(bk, 1), 1)[:, : x2.shape[1]]
@@ -133,7 +137,7 @@ def _launch_quantize(op, x2, data, scale_in, fp8, block_m, block_k, power_of_2):
     backend = kp_core.choose_backend(op, x2)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
-        d, s, a = _reference(x2, scale_in, fp8, block_m, block_k, power_of_2)
+        d, s, a = reference(x2, scale_in, fp8, block_m, block_k, power_of_2)
         data.copy_(d)
         return s, a
     interpret = backend == kp_core.INTERPRET

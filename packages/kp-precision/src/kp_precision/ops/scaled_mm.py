@@ -20,7 +20,8 @@ one, which is what cuBLASLt does too (measured: the same error as torch._scaled_
 sum all of K (torchao uses it for the forward). Triton's promotion every 128 runs at about a third of the fast
 kernel's speed on the H100 (benchmarks/results), so a precise call whose scales are constant along K goes to
 torch._scaled_mm (cuBLASLt) where the installed torch takes its dtypes and scale shapes, the epilogue then one
-elementwise kernel over its float32 product (kp_precision.ops.scaled_mm_route). Blockwise calls (1 x 128 blocks of
+elementwise kernel over its float32 product (kp_precision.ops.scaled_mm_route); so does a fast call with no bias
+and no activation. Blockwise calls (1 x 128 blocks of
 A, 128 x 128 of B) go to cuBLASLt's blockwise recipe (torch.nn.functional.scaled_mm) where the installed torch has
 it: the kernel's blockwise path promotes every 128 as it does, at about 0.55x its speed. Everything else runs the
 kernel.
@@ -131,8 +132,9 @@ def forward(
     rows_a, k_a = scale_layout(scale_a, m, k, "a")
     rows_b, k_b = scale_layout(scale_b, n, k, "b")
     layouts = ((rows_a, k_a), (rows_b, k_b))
-    if backend == kp_core.TRITON and route.routes(a, b, scale_a, scale_b, layouts, use_fast_accum):
-        y = route.run(a, b, scale_a, scale_b, layouts, bias, activation, out_dtype)
+    plain = bias is None and activation == "none"
+    if backend == kp_core.TRITON and route.routes(a, b, scale_a, scale_b, layouts, use_fast_accum, plain):
+        y = route.run(a, b, scale_a, scale_b, layouts, bias, activation, out_dtype, use_fast_accum)
         if y is not None:
             return y
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)  # after the route: it returns its own
