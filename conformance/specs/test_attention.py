@@ -1,4 +1,4 @@
-"""Conformance spec for kp-attention's attention ops: FlashAttention-layout attention (causal, GQA, window,
+"""Conformance spec for kp-attention's attention ops: FlashAttention-layout attention (causal, GQA, window, ALiBi,
 softcap), the SDPA drop-in and variable-length batches, against an independent float64 reference.
 
 The reference (kp_conformance.references.attention64) is the formula, softmax(scale * Q K^T + mask) V, in float64
@@ -38,7 +38,8 @@ kc.declare(
         reference=(
             "softmax(scale * Q K^T + mask) V in float64 (Vaswani et al. 2017, eq. 1); causal diagonal aligned "
             "bottom-right (FlashAttention >= 2.1), window (left, right) about it, GQA by repeating kv heads "
-            "(Ainslie et al. 2023), softcap c * tanh(s / c) (Gemma 2 report); varlen as a per-sequence loop"
+            "(Ainslie et al. 2023), softcap c * tanh(s / c) (Gemma 2 report), ALiBi -slope * |i + Sk - Sq - j| (Press "
+            "et al. 2022, FlashAttention's alibi_slopes); varlen as a per-sequence loop"
         ),
         dtypes=DTYPES,
         properties=(
@@ -80,6 +81,7 @@ def attn_cases(draw):
         window=draw(st.sampled_from(((-1, -1), (16, -1), (32, 8), (0, 0)))),
         softcap=draw(st.sampled_from((0.0, 0.0, 20.0))),
         scale=draw(st.sampled_from((None, 0.3))),
+        alibi=draw(st.sampled_from((None, None, "head", "batch"))),  # slopes per head or per (batch, head)
         layout=draw(st.sampled_from(("contiguous", "bhsd"))),
         seed=draw(st.integers(0, 2**16)),
         family=draw(st.sampled_from(kc.ATTENTION_FAMILIES)),  # per example: no more tests
@@ -110,8 +112,21 @@ def make_qkv(c, dtype, requires_grad=False):
     return finish(q), finish(k), finish(v)
 
 
+def slopes(kind, b: int, hq: int, seed: int):
+    """ALiBi slopes (kind "head": (hq,), "batch": (b, hq)) on the device, fp32: random in (0, 1], so some rows'
+    biases span hundreds of logits and some barely move the scores."""
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    shape = (hq,) if kind == "head" else (b, hq)
+    return (1.0 - torch.rand(shape, generator=g)).to(DEVICE)
+
+
 def kw(c):
-    return dict(causal=c["causal"], window=c["window"], softcap=c["softcap"], scale=c["scale"])
+    options = dict(causal=c["causal"], window=c["window"], softcap=c["softcap"], scale=c["scale"])
+    if c.get("alibi"):
+        options["alibi_slopes"] = slopes(c["alibi"], c["b"], c["hq"], c["seed"])
+    return options
 
 
 def check_values(q, k, v, out, lse, dtype, **options):
@@ -193,6 +208,7 @@ SWITCHES = [
     ("window left only (HAS_LEFT)", (1, 100, 100, 2, 1, 32), {"window": (24, -1)}, None),
     ("window both sides", (1, 66, 130, 2, 2, 48), {"window": (20, 5)}, None),
     ("softcap", (1, 45, 77, 2, 1, 80), {"softcap": 7.0, "causal": True}, None),
+    ("ALiBi per (batch, head) (MASK_KIND 3)", (2, 70, 90, 4, 2, 32), {"alibi_slopes": "batch"}, None),
     ("top-left causal (SDPA is_causal)", (1, 40, 70, 2, 2, 32), {}, {"is_causal": True}),
     # fp32 runs a boolean mask as the additive mask it equals (MASK_KIND 2; attention._mask_args says why)
     ("boolean mask (MASK_KIND 1)", (2, 33, 47, 2, 2, 32), {}, {"attn_mask": "bool"}),
@@ -208,6 +224,8 @@ def test_every_switch(dtype, what, shape, options, sdpa):
     b, sq, sk, hq, hkv, d = shape
     c = dict(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, layout="contiguous", seed=sum(shape))
     q, k, v = make_qkv(c, dtype)
+    if "alibi_slopes" in options:
+        options = {**options, "alibi_slopes": slopes(options["alibi_slopes"], b, hq, 11)}
     if sdpa is None:
         with kp_core.record_launches() as rec:
             out, lse = kp_attention.flash_attention(q, k, v, return_lse=True, **options)
@@ -300,11 +318,13 @@ def test_varlen_matches_per_sequence(dtype):
     q, k, v = packed(sum(lens_q), hq), packed(sum(lens_k), hkv), packed(sum(lens_k), hkv)
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (True, (16, -1))):
+    alibi = slopes("batch", len(lens_q), hq, 4)
+    for causal, window, alibi_slopes in ((False, (-1, -1), None), (True, (-1, -1), alibi), (True, (16, -1), None)):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        options = dict(causal=causal, window=window)
         with kp_core.record_launches() as rec:
             out = kp_attention.flash_attention_varlen(
-                *leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, window=window
+                *leaves, cu_q, cu_k, max(lens_q), max(lens_k), alibi_slopes=alibi_slopes, **options
             )
             out.float().square().sum().backward()
         kc.assert_kernel_ran(rec, VARLEN, VARLEN_BWD)
@@ -315,17 +335,20 @@ def test_varlen_matches_per_sequence(dtype):
             sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
             one = [t[s][None] for t, s in ((q, sq), (k, sk), (v, sk))]
             leaves64 = [t.double().requires_grad_() for t in one]
-            y = attention64(*leaves64, causal=causal, window=window)[0]
+            if alibi_slopes is not None:
+                options["alibi_slopes"] = alibi_slopes[i]
+            y = attention64(*leaves64, **options)[0]
             y.square().sum().backward()
             lowg = [t.detach().requires_grad_() for t in one]
-            y_low = attention_lowp(*lowg, causal=causal, window=window)
+            y_low = attention_lowp(*lowg, **options)
             y_low.float().square().sum().backward()
             refs.append([y.detach()[0]] + [t.grad[0] for t in leaves64])
             lows.append([y_low.detach()[0]] + [t.grad[0].nan_to_num(0.0) for t in lowg])
         ours = (out.detach(), leaves[0].grad, leaves[1].grad, leaves[2].grad)
         for j, name in enumerate(("out", "dq", "dk", "dv")):
             ref, low = torch.cat([r[j] for r in refs]), torch.cat([lo[j] for lo in lows])
-            kc.check_close(f"varlen {name} (causal={causal}, window={window})", ours[j], ref, low, dtype)
+            what = f"causal={causal}, window={window}, alibi={alibi_slopes is not None}"
+            kc.check_close(f"varlen {name} ({what})", ours[j], ref, low, dtype)
 
 
 @pytest.mark.conformance(kernel="scaled_dot_product_attention", prop="sdpa")
@@ -410,6 +433,18 @@ BAD_INPUTS = [
     ),
     ("device mix", lambda: FA(_t(1, 4, 1, 8), _t(1, 4, 1, 8, device="meta"), _t(1, 4, 1, 8)), ValueError, "device"),
     (
+        "alibi_slopes not fp32",
+        lambda: FA(_t(1, 4, 2, 8), _t(1, 4, 2, 8), _t(1, 4, 2, 8), alibi_slopes=_t(2, dtype=torch.float16)),
+        TypeError,
+        "alibi_slopes",
+    ),
+    (
+        "alibi_slopes of the kv heads",
+        lambda: FA(_t(1, 4, 2, 8), _t(1, 4, 1, 8), _t(1, 4, 1, 8), alibi_slopes=_t(1, dtype=torch.float32)),
+        ValueError,
+        "alibi_slopes",
+    ),
+    (
         "cu_seqlens not int32",
         lambda: kp_attention.flash_attention_varlen(
             _t(4, 1, 8), _t(4, 1, 8), _t(4, 1, 8), torch.tensor([0, 4]), torch.tensor([0, 4]), 4, 4
@@ -446,11 +481,12 @@ def test_opcheck(dtype):
     cu_q = torch.tensor([0, 17, 37], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 30, 45], dtype=torch.int32, device=DEVICE)
     with kp_core.record_launches() as rec:
-        for right in (-1, 0):  # no mask, causal (bottom-right)
-            args = (q, k, v, None, 1 / math.sqrt(c["d"]), 0.0, -1, right, True)
+        for right, alibi in ((-1, None), (0, slopes("head", 1, 4, 1))):  # no mask; causal (bottom-right), ALiBi
+            args = (q, k, v, None, alibi, 1 / math.sqrt(c["d"]), 0.0, -1, right, True)
             torch.library.opcheck(attention_mod.FLASH.op, args)
         packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
-        torch.library.opcheck(attention_mod.FLASH_VARLEN.op, (*packed, cu_q, cu_k, 20, 30, 0.25, 0.0, -1, 0))
+        alibi = slopes("batch", 2, 4, 2)
+        torch.library.opcheck(attention_mod.FLASH_VARLEN.op, (*packed, cu_q, cu_k, alibi, 20, 30, 0.25, 0.0, -1, 0))
     kc.assert_kernel_ran(rec, FWD, BWD, VARLEN, VARLEN_BWD)
 
 

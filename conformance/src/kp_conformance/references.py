@@ -77,7 +77,20 @@ def _scores(q, k, scale, softcap):
     return softcap * torch.tanh(s / softcap) if softcap > 0 else s
 
 
-def _masked(s, q, k, causal, window, mask, top_left):
+def alibi_bias(alibi, sq: int, sk: int, dtype, device, top_left: bool = False) -> torch.Tensor:
+    """(B or 1, H, Sq, Sk): -slope * |i + off - j| for slopes alibi (H,) or (B, H), off = sk - sq (bottom-right) or
+    0 (Press et al. 2022, ALiBi; FlashAttention's alibi_slopes)."""
+    off = 0 if top_left else sk - sq
+    i = torch.arange(sq, device=device, dtype=dtype)[:, None]
+    j = torch.arange(sk, device=device, dtype=dtype)[None, :]
+    slopes = alibi.to(device=device, dtype=dtype)
+    slopes = slopes.reshape(-1 if slopes.dim() == 2 else 1, slopes.shape[-1], 1, 1)
+    return -slopes * (i + off - j).abs()
+
+
+def _masked(s, q, k, causal, window, mask, top_left, alibi=None):
+    if alibi is not None:  # added in s's dtype: float64 for the reference, float32 for PyTorch's baseline
+        s = s + alibi_bias(alibi, q.shape[1], k.shape[1], s.dtype, s.device, top_left)
     ok = allowed(q.shape[1], k.shape[1], causal, window, q.device, top_left)
     if mask is not None and mask.dtype == torch.bool:
         ok = ok & mask
@@ -86,24 +99,31 @@ def _masked(s, q, k, causal, window, mask, top_left):
     return s.masked_fill(~ok, float("-inf"))
 
 
-def attention64(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False):
+def attention64(
+    q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False, alibi_slopes=None
+):
     """softmax(scale * Q K^T + mask) V (Vaswani et al. 2017, eq. 1) in float64 on (B, S, H, D) tensors; softcap
-    c * tanh(s / c) (Gemma 2 report). Returns (out, lse); rows with no visible key give 0 and -inf."""
+    c * tanh(s / c) (Gemma 2 report); alibi_slopes: the slopes of alibi_bias, added after softcap. Returns
+    (out, lse); rows with no visible key give 0 and -inf."""
     q, k, v = (t.double() for t in (q, k, v))
-    s = _masked(_scores(q, k, scale, softcap), q, k, causal, window, mask, top_left)
+    s = _masked(_scores(q, k, scale, softcap), q, k, causal, window, mask, top_left, alibi_slopes)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
-def attention_lowp(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False):
-    """PyTorch in the input's precision: SDPA with the mask made explicit, or with softcap (which SDPA lacks)
-    Hugging Face's eager attention (scores in the input dtype, softmax in fp32). Fully masked rows: 0."""
+def attention_lowp(
+    q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False, alibi_slopes=None
+):
+    """PyTorch in the input's precision: SDPA with the mask made explicit, or with softcap or ALiBi (which SDPA
+    lacks) Hugging Face's eager attention (scores in the input dtype, the ALiBi bias added and the softmax taken in
+    fp32). Fully masked rows: 0."""
     if k.shape[1] == 0:
         return q.new_zeros(q.shape)
-    if softcap > 0:
-        s = _masked(_scores(q, k, scale, softcap), q, k, causal, window, mask, top_left)
+    if softcap > 0 or alibi_slopes is not None:
+        s = _scores(q, k, scale, softcap)
+        s = _masked(s if alibi_slopes is None else s.float(), q, k, causal, window, mask, top_left, alibi_slopes)
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
         vr = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
         return torch.einsum("bhqk,bkhd->bqhd", p, vr).nan_to_num(0.0)
@@ -118,9 +138,13 @@ def attention_lowp(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale
     return out.transpose(1, 2).nan_to_num(0.0)  # SDPA's fully masked rows are NaN; kp's are defined as 0
 
 
-def lse_lowp(q, k, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False):
-    """lse has no PyTorch counterpart: its baseline is logsumexp (fp32) of the scores PyTorch forms in q's dtype."""
-    s = _masked(_scores(q, k, scale, softcap), q, k, causal, window, mask, top_left)
+def lse_lowp(
+    q, k, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False, alibi_slopes=None
+):
+    """lse has no PyTorch counterpart: its baseline is logsumexp (fp32) of the scores PyTorch forms in q's dtype
+    (the ALiBi bias added in fp32)."""
+    s = _scores(q, k, scale, softcap)
+    s = _masked(s if alibi_slopes is None else s.float(), q, k, causal, window, mask, top_left, alibi_slopes)
     return torch.logsumexp(s.float(), dim=-1)
 
 

@@ -265,11 +265,11 @@ def test_compile_and_opcheck():
     mask = torch.rand(33, 40, device=DEVICE) > 0.2
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with kp_core.record_launches() as rec:
-        torch.library.opcheck(attention.FLASH.op, (*leaves, None, 0.25, 0.0, 7, 0, True))
+        torch.library.opcheck(attention.FLASH.op, (*leaves, None, None, 0.25, 0.0, 7, 0, True))
         transposed = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
-        torch.library.opcheck(attention.FLASH.op, (transposed, *leaves[1:], mask, 0.25, 1.5, -1, -1, False))
+        torch.library.opcheck(attention.FLASH.op, (transposed, *leaves[1:], mask, None, 0.25, 1.5, -1, -1, False))
         packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
-        torch.library.opcheck(attention.FLASH_VARLEN.op, (*packed, cu_q, cu_k, 23, 25, 0.25, 0.0, -1, 0))
+        torch.library.opcheck(attention.FLASH_VARLEN.op, (*packed, cu_q, cu_k, None, 23, 25, 0.25, 0.0, -1, 0))
     assert rec.backends() == {KERNEL}
 
     def fn(q, k, v):
@@ -288,9 +288,9 @@ def test_a_tensor_on_another_device_is_refused_by_the_op():
     q, k, v, _ = make(1, 8, 8, 2, 2, 16, torch.float32)
     other = torch.ones(3, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="cu_seqlens_q must be on the same device as q"):
-        attention.FLASH_VARLEN(q[0], k[0], v[0], other, other, 8, 8, 0.25, 0.0, -1, -1)
+        attention.FLASH_VARLEN(q[0], k[0], v[0], other, other, None, 8, 8, 0.25, 0.0, -1, -1)
     with pytest.raises(ValueError, match="attn_mask must be on the same device as q"):
-        attention.FLASH(q, k, v, torch.ones(8, 8, dtype=torch.bool, device="meta"), 0.25, 0.0, -1, -1, False)
+        attention.FLASH(q, k, v, torch.ones(8, 8, dtype=torch.bool, device="meta"), None, 0.25, 0.0, -1, -1, False)
 
 
 def test_reference_backend_is_selectable(monkeypatch):
@@ -359,3 +359,21 @@ def test_errors_name_the_argument():
     for exc, word, call in cases:
         with pytest.raises(exc, match=word):
             call()
+
+
+def test_zero_alibi_slopes_are_plain_attention_and_slopes_move_the_output():
+    """s - 0 * |j - i - diag| is s exactly: zero slopes give the plain kernel's bits, forward and backward; real
+    slopes change the output (the conformance spec checks the values)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, s, 4, 32, generator=g).to(DEVICE, torch.float16) for s in (37, 45, 45))
+    do = torch.randn(2, 37, 4, 32, generator=g).to(DEVICE, torch.float16)
+
+    def run(slopes):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = kp_attention.flash_attention(*leaves, causal=True, alibi_slopes=slopes)
+        out.backward(do)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    plain, zero = run(None), run(torch.zeros(4, device=DEVICE))
+    assert all(torch.equal(a, b) for a, b in zip(plain, zero))
+    assert not torch.equal(plain[0], run(torch.full((2, 4), 0.5, device=DEVICE))[0])

@@ -47,6 +47,19 @@ def _check_qkv(op: str, q, k, v, ndim: int, layout: str, names=("q", "k", "v")):
         raise ValueError(f"{op}: {nq}'s heads ({hq}) must be a multiple of {nk}/{nv}'s heads ({hkv})")
 
 
+def _check_alibi(op: str, alibi_slopes, batch: int, heads: int, q: torch.Tensor) -> None:
+    """FlashAttention's alibi_slopes: None, or fp32 of shape (heads,) or (batch, heads) on q's device."""
+    if alibi_slopes is None:
+        return
+    kp_core.check_tensor(op, "alibi_slopes", alibi_slopes, dtypes=(torch.float32,))
+    kp_core.check_same_device(op, q=q, alibi_slopes=alibi_slopes)
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"{op}: alibi_slopes must have shape ({heads},) or ({batch}, {heads}) (q heads; batch, q heads), got "
+            f"{tuple(alibi_slopes.shape)}"
+        )
+
+
 def _check_options(op: str, causal, window, softcap, scale, d: int) -> Params:
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
@@ -75,6 +88,7 @@ def flash_attention(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     scale: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -85,6 +99,8 @@ def flash_attention(
     Masks are aligned to the bottom-right corner (FlashAttention >= 2.1): with off = Sk - Sq, query i sees key j
     iff  i + off - left <= j <= i + off + right  (window=(left, right), -1 = unbounded; causal=True sets right=0).
     softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma-2), after scaling.
+    alibi_slopes: fp32 (Hq,) or (B, Hq); the bias -slope * |i + Sk - Sq - j| is added to the score of query i and
+    key j (after scale and softcap), as FlashAttention adds it.
     Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq) fp32: the natural-log
     logsumexp of the (scaled, softcapped) scores. lse is differentiable. Rows with no visible key (possible when
     Sq > Sk under causal/window masks) give out 0, lse -inf and zero gradients.
@@ -95,7 +111,8 @@ def flash_attention(
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"{op}: batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
     p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
-    out, lse = FLASH(q, k, v, None, p.scale, p.softcap, p.window_left, p.window_right, True)
+    _check_alibi(op, alibi_slopes, q.shape[0], q.shape[2], q)
+    out, lse = FLASH(q, k, v, None, alibi_slopes, p.scale, p.softcap, p.window_left, p.window_right, True)
     return (out, lse) if return_lse else out
 
 
@@ -112,6 +129,7 @@ def flash_attention_varlen(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     scale: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -119,8 +137,8 @@ def flash_attention_varlen(
 
     Sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v;
     cu_seqlens_* are int32 of shape (batch + 1,), start at 0, are non-decreasing and end at total_*.
-    max_seqlen_* must be >= the longest sequence. Masks, softcap, scale and GQA as in flash_attention, per
-    sequence (bottom-right aligned). lse has shape (Hq, total_q).
+    max_seqlen_* must be >= the longest sequence. Masks, softcap, scale, ALiBi (alibi_slopes (Hq,) or
+    (batch, Hq)) and GQA as in flash_attention, per sequence (bottom-right aligned). lse has shape (Hq, total_q).
     Checked on the host: dtypes, shapes and lengths always; the values of cu_seqlens (start, order, end,
     max_seqlen) in eager mode, which reads them back once (set kp_attention.ops.attention.VALIDATE_CU_SEQLENS = False
     to skip that sync).
@@ -141,12 +159,14 @@ def flash_attention_varlen(
         if not _is_int(val) or val < 0:
             raise ValueError(f"{op}: {name} must be an int >= 0, got {val!r}")
     p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
+    _check_alibi(op, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q)
     out, lse = FLASH_VARLEN(
         q,
         k,
         v,
         cu_seqlens_q,
         cu_seqlens_k,
+        alibi_slopes,
         max_seqlen_q,
         max_seqlen_k,
         p.scale,
@@ -232,9 +252,8 @@ def scaled_dot_product_attention(
         q, k = torch.nn.functional.pad(q, (0, d - e)), torch.nn.functional.pad(k, (0, d - e))
     if ev < d:
         v = torch.nn.functional.pad(v, (0, d - ev))
-    out = FLASH(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, 0.0, -1, 0 if is_causal else -1, False
-    )[0]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = FLASH(qt, kt, vt, mask, None, scale, 0.0, -1, 0 if is_causal else -1, False)[0]
     out = out.transpose(1, 2)[..., :ev].reshape(*batch, hq, lq, ev)
     return out.squeeze(0) if two_d else out
 

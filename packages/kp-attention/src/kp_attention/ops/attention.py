@@ -93,11 +93,14 @@ def _bshd(t: torch.Tensor, varlen: bool) -> tuple:
     return (0, *t.stride()) if varlen else tuple(t.stride())
 
 
-def _mask_args(mask: Optional[torch.Tensor], b: int, h: int, sq: int, sk: int, dtype: torch.dtype):
-    """(tensor, 4 broadcast strides, kind): kind 0 none, 1 boolean (read as uint8), 2 additive float.
+def _mask_args(mask: Optional[torch.Tensor], alibi: Optional[torch.Tensor], b: int, h: int, sq: int, sk: int, dtype):
+    """(tensor, 4 broadcast strides, kind): kind 0 none, 1 boolean (read as uint8), 2 additive float, 3 ALiBi
+    slopes (fp32, (H,) or (B, H): strides (batch, head, 0, 0); never with a mask, the public functions see to it).
 
     fp32 inputs take a boolean mask as the additive one it equals (0 / -inf; s + 0 is s exactly): Triton 3.6 fails
     to lower a uint8 tile into the fp64 dot layout of the fp32 path (attention_blocks.dot)."""
+    if alibi is not None:
+        return alibi, (alibi.stride(0) if alibi.dim() == 2 else 0, alibi.stride(-1), 0, 0), 3
     if mask is None:
         return None, (0, 0, 0, 0), 0
     if mask.dtype == torch.bool and dtype == torch.float32:
@@ -173,7 +176,16 @@ def check_cu_seqlens(op: str, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: i
 # ---- reference path (CPU without the interpreter, or KP_BACKEND=reference) ----
 
 
-def _reference_dense(q, k, v, mask, p: Params):
+def _alibi_bias(alibi: torch.Tensor, sq: int, sk: int, bottom_right: bool) -> torch.Tensor:
+    """(B or 1, H, Sq, Sk) fp32: -slope * |j - i - diag| (FlashAttention's ALiBi bias)."""
+    i = torch.arange(sq, device=alibi.device)[:, None]
+    j = torch.arange(sk, device=alibi.device)[None, :]
+    dist = (j - i - (sk - sq if bottom_right else 0)).abs().float()
+    slopes = alibi.float().reshape(-1 if alibi.dim() == 2 else 1, alibi.shape[-1], 1, 1)
+    return -slopes * dist
+
+
+def _reference_dense(q, k, v, mask, alibi, p: Params):
     """(out, lse) for (B, S, H, D) tensors, in fp32 from the formula; fully masked rows give 0 and -inf."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -185,6 +197,8 @@ def _reference_dense(q, k, v, mask, p: Params):
         s = p.softcap * torch.tanh(s / p.softcap)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    if alibi is not None:
+        s = s + _alibi_bias(alibi, sq, sk, p.bottom_right)
     i = torch.arange(sq, device=q.device)[:, None]
     j = torch.arange(sk, device=q.device)[None, :]
     rel = j - i - (sk - sq if p.bottom_right else 0)
@@ -205,24 +219,25 @@ def _reference_dense(q, k, v, mask, p: Params):
     return out.transpose(1, 2).to(q.dtype), lse.squeeze(-1)
 
 
-def _reference_forward(q, k, v, mask, cu_q, cu_k, p: Params):
+def _reference_forward(q, k, v, mask, alibi, cu_q, cu_k, p: Params):
     if cu_q is None:
-        return _reference_dense(q, k, v, mask, p)
+        return _reference_dense(q, k, v, mask, alibi, p)
     outs, lses = [], []
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     for i in range(len(bounds_q) - 1):
         sl_q = slice(bounds_q[i], bounds_q[i + 1])
         sl_k = slice(bounds_k[i], bounds_k[i + 1])
-        o, lse = _reference_dense(q[None, sl_q], k[None, sl_k], v[None, sl_k], None, p)
+        slopes = alibi[i] if alibi is not None and alibi.dim() == 2 else alibi
+        o, lse = _reference_dense(q[None, sl_q], k[None, sl_k], v[None, sl_k], None, slopes, p)
         outs.append(o[0])
         lses.append(lse[0])
     return torch.cat(outs, 0), torch.cat(lses, 1) if lses else _lse_empty(q, 0, q.shape[1], 0, True)
 
 
-def _reference_backward(dout, dlse, q, k, v, mask, cu_q, cu_k, p: Params):
+def _reference_backward(dout, dlse, q, k, v, mask, alibi, cu_q, cu_k, p: Params):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, lse = _reference_forward(*leaves, mask, cu_q, cu_k, p)
+        out, lse = _reference_forward(*leaves, mask, alibi, cu_q, cu_k, p)
         outputs, grads = [out], [dout]
         if dlse is not None:
             outputs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
@@ -241,9 +256,9 @@ def _check_devices(op: str, q, **others) -> None:
             kp_core.check_same_device(op, q=q, **{name: t})
 
 
-def _forward(op, q, k, v, mask, cu_q, cu_k, p: Params):
+def _forward(op, q, k, v, mask, alibi, cu_q, cu_k, p: Params):
     """(out, lse): out like q (contiguous, q's layout), lse fp32 (B, Hq, Sq), or (Hq, total_q) when packed."""
-    _check_devices(op, q, k=k, v=v, attn_mask=mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    _check_devices(op, q, k=k, v=v, attn_mask=mask, alibi_slopes=alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     b, sq, sk, hq, hkv, d, varlen = _structure(p, q, k, cu_q)
     if varlen and VALIDATE_CU_SEQLENS and not torch.compiler.is_compiling():
         check_cu_seqlens(op, cu_q, cu_k, q.shape[0], k.shape[0], p)
@@ -252,11 +267,11 @@ def _forward(op, q, k, v, mask, cu_q, cu_k, p: Params):
     backend = kp_core.choose_backend(op, q)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
-        out, lse = _reference_forward(q, k, v, mask, cu_q, cu_k, p)
+        out, lse = _reference_forward(q, k, v, mask, alibi, cu_q, cu_k, p)
         return out.contiguous(), lse.contiguous()
     out = q.new_empty(q.shape)
     lse = _lse_empty(q, b, hq, sq, varlen)
-    m, m_strides, mask_kind = _mask_args(mask, b, hq, sq, sk, q.dtype)
+    m, m_strides, mask_kind = _mask_args(mask, alibi, b, hq, sq, sk, q.dtype)
     tiles = _tiles("_attn_fwd", _block_d(d), q.element_size(), q.device)
     args = (
         q,
@@ -294,7 +309,7 @@ def _forward(op, q, k, v, mask, cu_q, cu_k, p: Params):
     return out, lse
 
 
-def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
+def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, cu_q, cu_k, p: Params):
     """(dq, dk, dv), each contiguous in its input's layout. dlse (may be None) is the gradient that reached lse."""
     b, sq, sk, hq, hkv, d, varlen = _structure(p, q, k, cu_q)
     if q.numel() == 0 or k.numel() == 0 or b == 0 or sq == 0 or sk == 0:
@@ -304,7 +319,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
     backend = kp_core.choose_backend(op, q)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
-        return tuple(g.contiguous() for g in _reference_backward(dout, dlse, q, k, v, mask, cu_q, cu_k, p))
+        return tuple(g.contiguous() for g in _reference_backward(dout, dlse, q, k, v, mask, alibi, cu_q, cu_k, p))
     if dlse is not None:  # the kernels read dlse in lse's layout
         dlse = dlse.to(torch.float32).contiguous()
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -344,7 +359,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, cu_q, cu_k, p: Params):
         ),
         pre["num_warps"],
     )
-    m, m_strides, mask_kind = _mask_args(mask, b, hq, sq, sk, q.dtype)
+    m, m_strides, mask_kind = _mask_args(mask, alibi, b, hq, sq, sk, q.dtype)
     m = lse if m is None else m
     scalars = (sq, sk, hq // hkv, p.scale, *_score_args(p, q.dtype), p.window_left, p.window_right)
     strides_qkv = (*_bshd(q, varlen), *_bshd(k, varlen), *_bshd(v, varlen), *_bshd(dout, varlen))
@@ -424,14 +439,17 @@ def forward(
     k: torch.Tensor,
     v: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
     scale: float,
     softcap: float,
     window_left: int,
     window_right: int,
     bottom_right: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), lse (B, Hq, Sq); attn_mask broadcasts to (B, Hq, Sq, Sk)."""
-    return _forward(OP, q, k, v, attn_mask, None, None, Params(scale, softcap, window_left, window_right, bottom_right))
+    """(out, lse): q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), lse (B, Hq, Sq); attn_mask broadcasts to (B, Hq, Sq, Sk);
+    alibi_slopes fp32 (Hq,) or (B, Hq), not with attn_mask."""
+    p = Params(scale, softcap, window_left, window_right, bottom_right)
+    return _forward(OP, q, k, v, attn_mask, alibi_slopes, None, None, p)
 
 
 def backward(
@@ -443,6 +461,7 @@ def backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
     scale: float,
     softcap: float,
     window_left: int,
@@ -450,7 +469,7 @@ def backward(
     bottom_right: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p = Params(scale, softcap, window_left, window_right, bottom_right)
-    return _backward(OP_BWD, dout, dlse, q, k, v, out, lse, attn_mask, None, None, p)
+    return _backward(OP_BWD, dout, dlse, q, k, v, out, lse, attn_mask, alibi_slopes, None, None, p)
 
 
 def forward_varlen(
@@ -459,6 +478,7 @@ def forward_varlen(
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    alibi_slopes: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
@@ -466,9 +486,10 @@ def forward_varlen(
     window_left: int,
     window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): packed q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q)."""
+    """(out, lse): packed q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q); alibi_slopes fp32 (Hq,)
+    or (batch, Hq)."""
     p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k)
-    return _forward(OP_VARLEN, q, k, v, None, cu_seqlens_q, cu_seqlens_k, p)
+    return _forward(OP_VARLEN, q, k, v, None, alibi_slopes, cu_seqlens_q, cu_seqlens_k, p)
 
 
 def backward_varlen(
@@ -481,6 +502,7 @@ def backward_varlen(
     lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    alibi_slopes: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
@@ -489,18 +511,18 @@ def backward_varlen(
     window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k)
-    return _backward(OP_VARLEN_BWD, dout, dlse, q, k, v, out, lse, None, cu_seqlens_q, cu_seqlens_k, p)
+    return _backward(OP_VARLEN_BWD, dout, dlse, q, k, v, out, lse, None, alibi_slopes, cu_seqlens_q, cu_seqlens_k, p)
 
 
 def _like(*tensors) -> tuple:
     return tuple(t.new_empty(t.shape) for t in tensors)
 
 
-def _forward_fake(q, k, v, attn_mask, scale, softcap, window_left, window_right, bottom_right):
+def _forward_fake(q, k, v, attn_mask, alibi_slopes, scale, softcap, window_left, window_right, bottom_right):
     return q.new_empty(q.shape), _lse_empty(q, q.shape[0], q.shape[2], q.shape[1], False)
 
 
-def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *rest):
+def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, *rest):
     return q.new_empty(q.shape), _lse_empty(q, cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, True)
 
 
@@ -510,7 +532,7 @@ FLASH = kp_core.op(
     _forward_fake,
     backward=backward,
     backward_fake=lambda dout, dlse, q, k, v, *rest: _like(q, k, v),
-    save=lambda args, outputs: (*args[:3], *outputs, args[3]),  # q, k, v, out, lse, attn_mask
+    save=lambda args, outputs: (*args[:3], *outputs, *args[3:5]),  # q, k, v, out, lse, attn_mask, alibi_slopes
     grad_inputs=("q", "k", "v"),
     package=PACKAGE,
     spec=SPEC,
@@ -523,7 +545,7 @@ FLASH_VARLEN = kp_core.op(
     _forward_varlen_fake,
     backward=backward_varlen,
     backward_fake=lambda dout, dlse, q, k, v, *rest: _like(q, k, v),
-    save=lambda args, outputs: (*args[:3], *outputs, *args[3:5]),  # q, k, v, out, lse, cu_seqlens_q/k
+    save=lambda args, outputs: (*args[:3], *outputs, *args[3:6]),  # q, k, v, out, lse, cu_seqlens_q/k, alibi
     grad_inputs=("q", "k", "v"),
     package=PACKAGE,
     spec=SPEC,

@@ -5,7 +5,7 @@ softcap), the masks, and the block ranges each loop visits.
 Per query row i of one (batch, q head) and key j of its kv head (GQA: kv head = q head // group):
     s_ij  = scale * q_i . k_j                       (fp32 accumulate; fp64 for fp32 inputs, see dot)
     s_ij  = softcap * tanh(s_ij / softcap)          (when softcap > 0, Gemma-2)
-    s_ij += mask_ij  (float mask)  or  -inf where the boolean mask is False
+    s_ij += mask_ij  (float mask)  or  -inf where the boolean mask is False  or  -slope_bh * |j - i - diag| (ALiBi)
     s_ij  = -inf unless  diag - left <= j - i <= diag + right  and  j < Sk   (left/right < 0: unbounded)
     lse_i = log(sum_j exp(s_ij)),   o_i = sum_j exp(s_ij - lse_i) v_j
 diag = Sk - Sq (bottom-right causal alignment, FlashAttention >= 2.1) or 0 (top-left, torch's is_causal).
@@ -155,9 +155,13 @@ def allowed(
 
 
 @triton.jit
-def apply_mask(s2, M_base, rows, cols, smq, smk, seqlen_q, seqlen_k, MASK_KIND: tl.constexpr, IEEE: tl.constexpr):
-    """attn_mask tile (broadcast strides allowed): 1 = boolean (False -> -inf), 2 = additive float."""
-    if MASK_KIND != 0:
+def apply_mask(s2, M_base, rows, cols, smq, smk, seqlen_q, seqlen_k, diag, MASK_KIND: tl.constexpr, IEEE: tl.constexpr):
+    """attn_mask tile (broadcast strides allowed): 1 = boolean (False -> -inf), 2 = additive float; 3 = ALiBi,
+    M_base at the (batch, head)'s fp32 slope: s_ij -= slope * |j - i - diag| (FlashAttention's bias)."""
+    if MASK_KIND == 3:
+        slope = tl.load(M_base)
+        s2 = s2 - score_units(slope * tl.abs(cols - rows - diag).to(tl.float32), IEEE)
+    elif MASK_KIND != 0:
         inb = (rows < seqlen_q) & (cols < seqlen_k)
         m = tl.load(M_base + rows * smq + cols * smk, mask=inb, other=0)
         if MASK_KIND == 1:

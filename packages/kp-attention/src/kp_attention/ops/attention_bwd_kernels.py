@@ -210,7 +210,7 @@ def _attn_bwd_dkdv(
                 else:
                     sT = dot(k, qT, tl.zeros([k.shape[0], qT.shape[1]], dtype=tl.float32), IEEE)
                 s2T, thT = scores(sT, qk_scale, sc_in, sc_out, SOFTCAP, IEEE)
-                s2T = apply_mask(s2T, M_base, rows[None, :], keys, smq, smk, seqlen_q, seqlen_k, MASK_KIND, IEEE)
+                s2T = apply_mask(s2T, M_base, rows[None, :], keys, smq, smk, seqlen_q, seqlen_k, diag, MASK_KIND, IEEE)
                 if REGION != 0:
                     ok = allowed(
                         rows[None, :], keys, seqlen_q, seqlen_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT
@@ -371,7 +371,7 @@ def _attn_bwd_dq(
                 vT = load2d(V_base + cols[None, :] * svs + offs_d[:, None] * svd, d_ok, kv_ok, PAD_D, REGION != 0)
                 s = mm(q, kT, IEEE)
                 s2, th = scores(s, qk_scale, sc_in, sc_out, SOFTCAP, IEEE)
-                s2 = apply_mask(s2, M_base, rows, cols[None, :], smq, smk, seqlen_q, seqlen_k, MASK_KIND, IEEE)
+                s2 = apply_mask(s2, M_base, rows, cols[None, :], smq, smk, seqlen_q, seqlen_k, diag, MASK_KIND, IEEE)
                 if REGION != 0:
                     ok = allowed(
                         rows, cols[None, :], seqlen_q, seqlen_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT

@@ -127,7 +127,7 @@ def _attn_fwd(
                 kT = load2d(K_base + cols[None, :] * sks + offs_d[:, None] * skd, d_ok, kv_ok, PAD_D, REGION != 0)
                 s = mm(q, kT, IEEE)
                 s2, _ = scores(s, qk_scale, sc_in, sc_out, SOFTCAP, IEEE)
-                s2 = apply_mask(s2, M_base, rows, cols[None, :], smq, smk, seqlen_q, seqlen_k, MASK_KIND, IEEE)
+                s2 = apply_mask(s2, M_base, rows, cols[None, :], smq, smk, seqlen_q, seqlen_k, diag, MASK_KIND, IEEE)
                 if REGION != 0:
                     ok = allowed(
                         rows, cols[None, :], seqlen_q, seqlen_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT
