@@ -120,8 +120,10 @@ def test_kp_kernels_and_float8_all_gather_under_shard(tmp_path, monkeypatch):
         # the resumed model's next step is the uninterrupted run's third
         assert res["resumed"][0] == STEPS
         torch.testing.assert_close(res["resumed"][1][0], want_losses[STEPS], rtol=1e-5, atol=1e-6)
-    # every kp op of the forward and backward ran, none on its PyTorch reference path
-    ops = {"norm", "flash_attention", "glu", "quantize", "scaled_mm", "transpose"}
+    # every kp op of the forward and backward ran, none on its PyTorch reference path; the tensorwise casts and
+    # transposing copies of the compiled blocks are PyTorch maths there, for the compiler to fuse
+    # (kp_precision.shared.cast), bit for bit the kernels' (the one-process run above used the kernels)
+    ops = {"norm", "flash_attention", "glu", "scaled_mm"}
     ops |= {f"{op}_backward" for op in ("norm", "flash_attention", "glu")}
     assert {op for op, _ in results[0]["ops"]} == {f"kp::{op}" for op in ops}
     # (on a GPU, scaled_mm takes cuBLAS's float8 matmul where the shape suits it: recorded as "library")

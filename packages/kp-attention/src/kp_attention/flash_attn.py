@@ -1,0 +1,353 @@
+"""FlashAttention 2's public functions with its signatures and return conventions, on kp's kernels:
+
+    import kp_attention.flash_attn as flash_attn
+    out = flash_attn.flash_attn_func(q, k, v, causal=True)
+
+Each function takes FlashAttention's arguments in FlashAttention's order and with its defaults (note
+`flash_attn_with_kvcache`'s `causal=False`, where kp's own `flash_attention_with_kvcache` defaults to True) and
+returns what it returns: `out`, or with `return_attn_probs=True` the triple `(out, softmax_lse, S_dmask)`, where
+S_dmask is None as FlashAttention's is without dropout. softmax_lse is (batch, heads, seqlen), or (heads, total_q)
+for the varlen functions. The packed forms read q, k and v as views of qkv / kv (no copy); their gradients reach
+the packed tensor.
+
+Supported here as in FlashAttention: causal (bottom-right), window_size, softcap, alibi_slopes (not in
+flash_attn_with_kvcache yet), GQA/MQA, deterministic (kp's backward is always deterministic), varlen, paged KV
+caches (block_table) and new tokens appended in place in flash_attn_with_kvcache, rotary embedding there
+(rotary_cos / rotary_sin, interleaved or not; applied with PyTorch ops before the kernel), and cache_batch_idx
+(the cache read as one page per sequence, so new tokens still land in the cache itself). Not yet: dropout_p > 0,
+block_table in flash_attn_varlen_func, cache_leftpad, and alibi_slopes in flash_attn_with_kvcache: each raises
+NotImplementedError naming the argument.
+"""
+
+from typing import Optional, Union
+
+import torch
+
+from kp_attention.functional import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
+from kp_attention.ops import decode
+from kp_attention.ops.decode import PAGE_MULTIPLE
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+def _unsupported(fn: str, name: str, value, off) -> None:
+    if value is not off and not (isinstance(off, float) and value == off):
+        raise NotImplementedError(f"kp_attention.flash_attn.{fn}: {name} is not supported yet (got {value!r})")
+
+
+def _result(out_lse, return_attn_probs: bool):
+    out, lse = out_lse
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, probs):
+    _unsupported(fn, "dropout_p", dropout_p, 0.0)
+    out_lse = flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        window=window_size,
+        softcap=softcap,
+        scale=softmax_scale,
+        alibi_slopes=alibi_slopes,
+        return_lse=True,
+        deterministic=deterministic,
+    )
+    return _result(out_lse, probs)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """q (batch, seqlen_q, heads, headdim), k and v (batch, seqlen_k, heads_k, headdim)."""
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _dense("flash_attn_func", q, k, v, *args)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """q (batch, seqlen_q, heads, headdim), kv (batch, seqlen_k, 2, heads_k, headdim)."""
+    _packed("flash_attn_kvpacked_func", "kv", kv, 5, 2)
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _dense("flash_attn_kvpacked_func", q, kv[:, :, 0], kv[:, :, 1], *args)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """qkv (batch, seqlen, 3, heads, headdim)."""
+    _packed("flash_attn_qkvpacked_func", "qkv", qkv, 5, 3)
+    q, k, v = qkv.unbind(2)
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _dense("flash_attn_qkvpacked_func", q, k, v, *args)
+
+
+def _packed(fn: str, name: str, t, ndim: int, parts: int) -> None:
+    """A packed tensor: `ndim` dims, `parts` (2: kv, 3: qkv) at dim -3."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"kp_attention.flash_attn.{fn}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != ndim or t.shape[-3] != parts:
+        raise ValueError(
+            f"kp_attention.flash_attn.{fn}: {name} must have {ndim} dims with {parts} at dim -3, got shape "
+            f"{tuple(t.shape)}"
+        )
+
+
+def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, alibi, det, probs):
+    _unsupported(fn, "dropout_p", dropout_p, 0.0)
+    out_lse = flash_attention_varlen(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        alibi_slopes=alibi,
+        return_lse=True,
+        deterministic=det,
+    )
+    return _result(out_lse, probs)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """Packed q (total_q, heads, headdim), k and v (total_k, heads_k, headdim); cu_seqlens int32 (batch + 1,)."""
+    _unsupported("flash_attn_varlen_func", "block_table", block_table, None)
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """q (total_q, heads, headdim), kv (total_k, 2, heads_k, headdim)."""
+    fn = "flash_attn_varlen_kvpacked_func"
+    _packed(fn, "kv", kv, 4, 2)
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _varlen(fn, q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """qkv (total, 3, heads, headdim); one cu_seqlens and max_seqlen for queries and keys."""
+    fn = "flash_attn_varlen_qkvpacked_func"
+    _packed(fn, "qkv", qkv, 4, 3)
+    q, k, v = qkv.unbind(1)
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _varlen(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, *args)
+
+
+# ---- KV-cache decoding ----
+
+KV_FN = "flash_attn_with_kvcache"
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool):
+    """x (B, S, H, D) with its first rotary_dim = 2 * cos.shape[1] dims rotated at positions (B, S): GPT-NeoX halves
+    (interleaved=False) or pairs (0, 1), (2, 3), ... (interleaved=True); computed in fp32, rounded once to x's
+    dtype, as FlashAttention's rotary kernel does."""
+    half = cos.shape[1]
+    positions = positions.clamp(0, cos.shape[0] - 1)  # never an out-of-bounds read (the caller checks values)
+    c = cos.float()[positions][:, :, None]  # (B, S, 1, half)
+    s = sin.float()[positions][:, :, None]
+    xf = x.float()
+    rot = xf[..., : 2 * half]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot, xf[..., 2 * half :]), dim=-1).to(x.dtype)
+
+
+def _check_rotary(q, k, cos, sin) -> None:
+    if (cos is None) != (sin is None):
+        raise ValueError(f"kp_attention.flash_attn.{KV_FN}: rotary_cos and rotary_sin must be given together")
+    if k is None:
+        raise ValueError(f"kp_attention.flash_attn.{KV_FN}: rotary_cos/rotary_sin need the new tokens k and v")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            raise TypeError(
+                f"kp_attention.flash_attn.{KV_FN}: {name} must be a 2-D float tensor (seqlen_ro, rotary_dim / 2)"
+            )
+        if t.device != q.device:
+            raise ValueError(f"kp_attention.flash_attn.{KV_FN}: {name} is on {t.device}, q on {q.device}")
+    if cos.shape != sin.shape or 2 * cos.shape[1] > q.shape[-1]:
+        raise ValueError(
+            f"kp_attention.flash_attn.{KV_FN}: rotary_cos and rotary_sin must share a shape (seqlen_ro, rotary_dim / 2)"
+            f" with rotary_dim <= head dim {q.shape[-1]}, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+
+
+def _check_rotary_reach(start: torch.Tensor, steps: int, rows: int) -> None:
+    """Positions start + 0 .. steps - 1 within rotary_cos's rows: one host sync, skipped as the cache's own value
+    check is (kp_attention.ops.decode.VALIDATE_VALUES, CUDA graph capture); positions are clamped regardless."""
+    if not decode.VALIDATE_VALUES or start.numel() == 0 or torch.compiler.is_compiling():
+        return
+    if start.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    last = int(start.max()) + steps - 1
+    if last >= rows:
+        raise ValueError(
+            f"kp_attention.flash_attn.{KV_FN}: rotary_cos/rotary_sin have {rows} rows but positions reach {last} "
+            "(cache_seqlens plus the new tokens)"
+        )
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """FlashAttention's incremental decoding call (inference only): k and v, when given, are written into the cache
+    in place at cache_seqlens (which is not changed) before attending; see the module docstring."""
+    _unsupported(KV_FN, "cache_leftpad", cache_leftpad, None)
+    _unsupported(KV_FN, "alibi_slopes", alibi_slopes, None)
+    if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor):
+        raise TypeError(f"kp_attention.flash_attn.{KV_FN}: q and k_cache must be tensors")
+    if cache_batch_idx is not None:
+        if block_table is not None:
+            raise ValueError(f"kp_attention.flash_attn.{KV_FN}: cache_batch_idx cannot be used with block_table")
+        if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype != torch.int32:
+            raise TypeError(f"kp_attention.flash_attn.{KV_FN}: cache_batch_idx must be an int32 tensor (batch,)")
+        if cache_batch_idx.dim() != 1:
+            raise ValueError(
+                f"kp_attention.flash_attn.{KV_FN}: cache_batch_idx must be 1-D (batch,), got shape "
+                f"{tuple(cache_batch_idx.shape)}"
+            )
+        if k_cache.dim() == 4 and k_cache.shape[1] % PAGE_MULTIPLE:
+            raise NotImplementedError(
+                f"kp_attention.flash_attn.{KV_FN}: cache_batch_idx needs the cache's seqlen (dim 1) to be a multiple "
+                f"of {PAGE_MULTIPLE}, got {k_cache.shape[1]}"
+            )
+        # each cache row is one page of a paged cache: sequence b reads and appends to row cache_batch_idx[b]
+        block_table = cache_batch_idx.reshape(-1, 1)
+    if cache_seqlens is None:  # the whole cache
+        cache_seqlens = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    if rotary_cos is not None or rotary_sin is not None:
+        _check_rotary(q, k, rotary_cos, rotary_sin)
+        start = cache_seqlens
+        if not isinstance(start, torch.Tensor):
+            start = torch.full((q.shape[0],), start, device=q.device)
+        start = start.long()[:, None]
+        _check_rotary_reach(start, max(k.shape[1], q.shape[1]), rotary_cos.shape[0])
+        steps_k = torch.arange(k.shape[1], device=q.device)
+        k = _rotate(k, rotary_cos, rotary_sin, start + steps_k, rotary_interleaved)
+        # causal or local: query i sits at cache_seqlens + i; otherwise every query at cache_seqlens
+        local = causal or tuple(window_size) != (-1, -1)
+        steps_q = torch.arange(q.shape[1], device=q.device) * int(local)
+        q = _rotate(q, rotary_cos, rotary_sin, start + steps_q, rotary_interleaved)
+    return flash_attention_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k=k,
+        v=v,
+        block_table=block_table,
+        causal=causal,
+        window=tuple(window_size),
+        softcap=softcap,
+        scale=softmax_scale,
+        num_splits=num_splits,
+        return_lse=return_softmax_lse,
+    )
