@@ -162,8 +162,11 @@ def decode(attention, q, k_cache, v_cache, lens, *, block_table=None, causal=Tru
     queries attend its first lens[b] cached keys, the diagonal bottom-right. Returns what `attention` returns,
     concatenated over the batch (out; and lse for attention64)."""
     results = []
+    slopes = kw.pop("alibi_slopes", None)
     for b, n in enumerate(lens):
         kb, vb = (kvcache_rows(c, b, n, block_table) for c in (k_cache, v_cache))
+        if slopes is not None:  # (Hq,) or (B, Hq): sequence b's
+            kw["alibi_slopes"] = slopes[b] if slopes.dim() == 2 else slopes
         results.append(attention(q[b : b + 1], kb, vb, causal=causal, window=window, **kw))
     if isinstance(results[0], tuple):
         return tuple(torch.cat(parts) for parts in zip(*results))

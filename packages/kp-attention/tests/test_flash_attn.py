@@ -151,7 +151,6 @@ def test_rotary_rotates_q_and_the_new_keys_at_their_positions(interleaved, causa
             "block_table",
         ),
         (lambda q: fa.flash_attn_with_kvcache(q, q, q, cache_leftpad=_cu()[0][:1]), "cache_leftpad"),
-        (lambda q: fa.flash_attn_with_kvcache(q, q, q, alibi_slopes=torch.ones(1)), "alibi_slopes"),
     ],
 )
 def test_what_is_not_supported_yet_says_so(call, name):

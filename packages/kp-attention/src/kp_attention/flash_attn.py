@@ -10,13 +10,12 @@ S_dmask is None as FlashAttention's is without dropout. softmax_lse is (batch, h
 for the varlen functions. The packed forms read q, k and v as views of qkv / kv (no copy); their gradients reach
 the packed tensor.
 
-Supported here as in FlashAttention: causal (bottom-right), window_size, softcap, alibi_slopes (not in
-flash_attn_with_kvcache yet), GQA/MQA, deterministic (kp's backward is always deterministic), varlen, paged KV
-caches (block_table) and new tokens appended in place in flash_attn_with_kvcache, rotary embedding there
-(rotary_cos / rotary_sin, interleaved or not; applied with PyTorch ops before the kernel), and cache_batch_idx
-(the cache read as one page per sequence, so new tokens still land in the cache itself). Not yet: dropout_p > 0,
-block_table in flash_attn_varlen_func, cache_leftpad, and alibi_slopes in flash_attn_with_kvcache: each raises
-NotImplementedError naming the argument.
+Supported here as in FlashAttention: causal (bottom-right), window_size, softcap, alibi_slopes, GQA/MQA,
+deterministic (kp's backward is always deterministic), varlen, paged KV caches (block_table) and new tokens
+appended in place in flash_attn_with_kvcache, rotary embedding there (rotary_cos / rotary_sin, interleaved or
+not; applied with PyTorch ops before the kernel), and cache_batch_idx (the cache read as one page per sequence,
+so new tokens still land in the cache itself). Not yet: dropout_p > 0, block_table in flash_attn_varlen_func and
+cache_leftpad: each raises NotImplementedError naming the argument.
 """
 
 from typing import Optional, Union
@@ -301,7 +300,6 @@ def flash_attn_with_kvcache(
     """FlashAttention's incremental decoding call (inference only): k and v, when given, are written into the cache
     in place at cache_seqlens (which is not changed) before attending; see the module docstring."""
     _unsupported(KV_FN, "cache_leftpad", cache_leftpad, None)
-    _unsupported(KV_FN, "alibi_slopes", alibi_slopes, None)
     if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor):
         raise TypeError(f"kp_attention.flash_attn.{KV_FN}: q and k_cache must be tensors")
     if cache_batch_idx is not None:
@@ -348,6 +346,7 @@ def flash_attn_with_kvcache(
         window=tuple(window_size),
         softcap=softcap,
         scale=softmax_scale,
+        alibi_slopes=alibi_slopes,
         num_splits=num_splits,
         return_lse=return_softmax_lse,
     )

@@ -386,6 +386,7 @@ def flash_attention_with_kvcache(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     scale: Optional[float] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
     num_splits: int = 0,
     return_lse: bool = False,
 ):
@@ -398,11 +399,13 @@ def flash_attention_with_kvcache(
     cache_seqlens[b] ... before attending (cache_seqlens itself is not changed); the sequence then has
     cache_seqlens + Sq_new keys. causal aligns the diagonal bottom-right and forces window right = 0;
     window (left, right) bounds the keys about the diagonal (-1: unbounded); softcap c > 0 applies
-    c * tanh(s / c) to the scaled scores; scale defaults to 1 / sqrt(D). num_splits: key-length splits
+    c * tanh(s / c) to the scaled scores; scale defaults to 1 / sqrt(D); alibi_slopes fp32 (Hq,) or (B, Hq)
+    adds -slope * |i + L - Sq - j| for L keys (after softcap, as FlashAttention). num_splits: key-length splits
     (flash-decoding), 0 = chosen from the GPU's SM count. Returns out (B, Sq, Hq, D) in q's dtype, and
     with return_lse the fp32 log-sum-exp (B, Hq, Sq). Rows that see no key give 0 (lse -inf).
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits)
+    _check_alibi(KV_OP, alibi_slopes, q.shape[0], q.shape[2], q)
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
@@ -414,6 +417,7 @@ def flash_attention_with_kvcache(
         k,
         v,
         block_table,
+        alibi_slopes,
         bool(causal),
         int(window[0]),
         int(window[1]),

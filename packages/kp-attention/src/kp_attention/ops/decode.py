@@ -5,7 +5,8 @@ at positions cache_seqlens[b] ...), query i of Sq sits on the diagonal p_i = i +
 key j < L when
     causal:       j <= p_i                    window left  >= 0: j >= p_i - left
     window right >= 0 (non-causal): j <= p_i + right
-    s = scale * q . k;  s = c * tanh(s / c) when softcap c > 0;  out = softmax(s) V;  lse = logsumexp(s)
+    s = scale * q . k;  s = c * tanh(s / c) when softcap c > 0;  s -= slope_bh * |j - p_i| with ALiBi slopes;
+    out = softmax(s) V;  lse = logsumexp(s)
 Rows that see no key give out = 0 and lse = -inf.
 
 Flash-decoding: program (b, kv head, row block, split) loads the queries of all the q heads of its GQA group as
@@ -135,7 +136,7 @@ def _launch_append(backend, k_cache, v_cache, cache_seqlens, k, v, block_table, 
     )
 
 
-def _reference(q, k_cache, v_cache, seqlens, block_table, causal, window_left, window_right, softcap, scale):
+def _reference(q, k_cache, v_cache, seqlens, block_table, alibi, causal, window_left, window_right, softcap, scale):
     """The formula in fp32 (fp64 is not accepted), one sequence at a time; fully masked rows give 0 / -inf."""
     batch, sq, hq, d = q.shape
     group = hq // k_cache.shape[2]
@@ -156,6 +157,9 @@ def _reference(q, k_cache, v_cache, seqlens, block_table, causal, window_left, w
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
         diag = torch.arange(sq, device=q.device)[:, None] + n - sq
+        if alibi is not None:
+            slopes = (alibi[b] if alibi.dim() == 2 else alibi).float()
+            s = s - slopes[:, None, None] * (idx[None, :] - diag).abs().float()
         ok = torch.ones(sq, n, dtype=torch.bool, device=q.device)
         if right >= 0:
             ok &= idx[None, :] <= diag + right
@@ -184,6 +188,7 @@ def forward(
     k: Optional[torch.Tensor],
     v: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor],
+    alibi_slopes: Optional[torch.Tensor],
     causal: bool,
     window_left: int,
     window_right: int,
@@ -199,6 +204,7 @@ def forward(
         ("k", k),
         ("v", v),
         ("block_table", block_table),
+        ("alibi_slopes", alibi_slopes),
     ):
         if t is not None and t.device != q.device:
             kp_core.check_same_device(OP, q=q, **{name: t})
@@ -214,7 +220,8 @@ def forward(
         kp_core.reference(OP)
         if new:
             _append(k_cache, v_cache, cache_seqlens, k, v, block_table)
-        return _reference(q, k_cache, v_cache, seqlens, block_table, causal, window_left, window_right, softcap, scale)
+        args = (causal, window_left, window_right, softcap, scale)
+        return _reference(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, *args)
     if new:
         _launch_append(backend, k_cache, v_cache, cache_seqlens.contiguous(), k, v, block_table, capacity)
 
@@ -259,6 +266,9 @@ def forward(
         seqlens,
         bt,
         bt.stride(0) if paged else 0,
+        seqlens if alibi_slopes is None else alibi_slopes,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        0 if alibi_slopes is None else alibi_slopes.stride(-1),
         out,
         out.stride(0),
         out.stride(1),
@@ -289,6 +299,7 @@ def forward(
         HAS_LEFT=window_left >= 0,
         HAS_RIGHT=right >= 0,
         SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None,
         IEEE=q.dtype == torch.float32,
         ONE_SPLIT=splits == 1,
     )

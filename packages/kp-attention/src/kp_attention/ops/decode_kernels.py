@@ -42,6 +42,9 @@ def _decode_split(
     SEQLENS,
     BT,
     stride_btb,
+    ALIBI,
+    stride_ab,
+    stride_ah,
     OUT,
     stride_ob,
     stride_os,
@@ -70,6 +73,7 @@ def _decode_split(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     IEEE: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
 ):
@@ -103,6 +107,8 @@ def _decode_split(
     q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qs + hq[:, None].to(tl.int64) * stride_qh
     q = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0)
     diag = qi + L - Sq  # the key on each row's diagonal
+    if HAS_ALIBI:  # each row's q head's slope: s -= slope * |j - diag| (FlashAttention's ALiBi bias)
+        slope = tl.load(ALIBI + b64 * stride_ab + hq.to(tl.int64) * stride_ah, mask=row_ok, other=0.0)
 
     # Keys any row of the tile may see: [lo, L), lo rounded down to a block; this split's share of it.
     lo = L * 0
@@ -145,6 +151,8 @@ def _decode_split(
                 s = (softcap - (2.0 * softcap) / (e + 1.0)).to(tl.float32)
             else:
                 s = softcap - (2.0 * softcap) / (tl.exp2(s * ((1.0 / softcap) * (2.0 * LOG2E))) + 1.0)
+        if HAS_ALIBI:
+            s = s - slope[:, None] * tl.abs(offs_n[None, :] - diag[:, None]).to(tl.float32)
         if not IEEE:  # fp32 inputs stay in natural units: the base change costs ulps the 2x rule lacks
             s = s * LOG2E
         ok = n_ok[None, :]
