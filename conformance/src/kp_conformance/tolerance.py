@@ -16,6 +16,8 @@ def check_close(what: str, ours: torch.Tensor, ref64: torch.Tensor, lowp: torch.
     ours64, lowp64 = ours.detach().to(torch.float64).cpu(), lowp.detach().to(torch.float64).cpu()
     ref64 = ref64.detach().cpu()
     assert not torch.isnan(ours64).any(), f"{what}: {int(torch.isnan(ours64).sum())} NaN in our output"
+    # a NaN reference would pass any output (NaN compares false): the reference must be finite where it judges
+    assert not torch.isnan(ref64).any(), f"{what}: {int(torch.isnan(ref64).sum())} NaN in the float64 reference"
     err = (ours64 - ref64).abs()
     _, bound = rule_bound(ours64, ref64, lowp64, dtype)
     if err.max().item() > bound:

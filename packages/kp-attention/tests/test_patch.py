@@ -69,3 +69,75 @@ def test_llama_patched_matches_by_the_rule(padded):
 def test_patch_rejects_plain_modules():
     with pytest.raises(TypeError, match="model"):
         kp_attention.patch(torch.nn.Linear(2, 2))
+
+
+def tiny_gemma2():
+    """Gemma 2's attention: logit softcap, a sliding-window layer then a global one, query_pre_attn_scalar."""
+    config = transformers.Gemma2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        sliding_window=8,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=16,
+        attn_implementation="eager",  # transformers' SDPA path drops the softcap
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config)
+    with torch.no_grad():  # scores of a few units (initial weights give ~1e-3), so the softcap bends them
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight *= 40
+            layer.self_attn.k_proj.weight *= 40
+    return model.to(DEVICE)
+
+
+def _attention64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """transformers' attention signature over the conformance suite's float64 formula: softcap, then the mask
+    transformers built (boolean, SDPA's form); rows that see no key give 0 (its eager attention in float64 gives
+    NaN there, from the -inf it then adds, and the NaN reaches every row through the next layer's values)."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    causal = attention_mask is None
+    from kp_conformance.references import attention64
+
+    out, _ = attention64(q, k, v, causal=causal, softcap=softcap or 0.0, scale=scaling, mask=attention_mask)
+    return out, None
+
+
+def gemma2_float64(model):
+    """The model in float64 through _attention64, its RMSNorms as the float64 formula (transformers' normalise
+    in fp32)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register("float64", _attention64)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("float64", sdpa_mask)
+    model = model.double()
+    model.set_attn_implementation("float64")
+    for m in model.modules():
+        if type(m).__name__ == "Gemma2RMSNorm":
+            m.forward = lambda x, m=m: (1 + m.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps)
+    return model
+
+
+def test_gemma2_softcap_with_padding_and_sliding_masks_matches_by_the_rule():
+    """transformers builds an explicit mask for the sliding-window layer and for padding: the kernel applies the
+    softcap, then the mask (this combination used to be refused)."""
+    model = tiny_gemma2()
+    ids = torch.randint(0, 128, (2, 24), device=DEVICE)
+    mask = torch.ones(2, 24, dtype=torch.long, device=DEVICE)
+    mask[1, :5] = 0
+    keep = (slice(None), slice(5, None))
+    low, low_g = logits_and_grads(model, ids, mask, keep)
+    ref, ref_g = logits_and_grads(gemma2_float64(tiny_gemma2()), ids, mask, keep)
+    kp_attention.patch(model)
+    with kp_core.record_launches() as rec:
+        ours, ours_g = logits_and_grads(model, ids, mask, keep)
+    assert rec.count() > 0 and rec.backends() <= {kc.kernel_backend()}, rec.launches
+    kc.check_close("logits", ours, ref, low, torch.float32)
+    for name in ref_g:
+        kc.check_close(name, ours_g[name], ref_g[name], low_g[name], torch.float32)

@@ -186,6 +186,8 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    *,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention`: query (..., L, E), key (..., S, E), value
     (..., S, Ev), any strides, the leading dimensions broadcast against each other as in torch (dim -3 is the heads
@@ -197,8 +199,12 @@ def scaled_dot_product_attention(
     masked give 0 (torch gives NaN). The usual (B, H, L, E) inputs are read in place (no copies) and give a
     (B, H, L, E) view of a (B, L, H, E)-contiguous tensor; broadcast batch dimensions that cannot be merged into
     one, and Ev != E (the shorter head dim is zero-padded), cost a copy.
+    softcap (keyword only, not torch's): softcap * tanh(s / softcap) of the scaled scores before the mask is
+    added, as Hugging Face's eager attention does for Gemma 2.
     """
     op = "kp_attention.scaled_dot_product_attention"
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not (0 <= softcap < math.inf):
+        raise ValueError(f"{op}: softcap must be a finite float >= 0 (0: off), got {softcap!r}")
     for name, t in (("query", query), ("key", key), ("value", value)):
         kp_core.check_tensor(op, name, t, dtypes=DTYPES)
         if t.dim() < 2:
@@ -253,7 +259,7 @@ def scaled_dot_product_attention(
     if ev < d:
         v = torch.nn.functional.pad(v, (0, d - ev))
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out = FLASH(qt, kt, vt, mask, None, scale, 0.0, -1, 0 if is_causal else -1, False)[0]
+    out = FLASH(qt, kt, vt, mask, None, scale, float(softcap), -1, 0 if is_causal else -1, False)[0]
     out = out.transpose(1, 2)[..., :ev].reshape(*batch, hq, lq, ev)
     return out.squeeze(0) if two_d else out
 

@@ -30,8 +30,9 @@ def kp_attention_forward(
     output as (B, Sq, Hq, D) and no attention weights.
 
     With no mask (transformers skips building one when it is purely causal) the FlashAttention-layout kernel
-    runs, with the model's sliding window and softcap. With a mask (padding, packed sequences, ...) the SDPA
-    drop-in runs with it; softcap is then unsupported, as in transformers' own SDPA path.
+    runs, with the model's sliding window and softcap. With a mask (padding, packed sequences, a sliding window
+    transformers built into it, ...) the SDPA drop-in runs with it and with the softcap, which the kernel applies
+    before adding the mask, as transformers' eager attention does (its SDPA path has no softcap).
     """
     from kp_attention import flash_attention, scaled_dot_product_attention
 
@@ -49,9 +50,9 @@ def kp_attention_forward(
             q, k, v, causal=causal, window=(left, 0 if causal else -1), softcap=softcap, scale=scaling
         )
         return out, None
-    if softcap:
-        raise ValueError("kp attention: softcap with an explicit attention mask is not supported")
-    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+    out = scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True, softcap=softcap
+    )
     return out.transpose(1, 2), None
 
 
