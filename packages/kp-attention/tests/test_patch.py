@@ -141,3 +141,68 @@ def test_gemma2_softcap_with_padding_and_sliding_masks_matches_by_the_rule():
     kc.check_close("logits", ours, ref, low, torch.float32)
     for name in ref_g:
         kc.check_close(name, ours_g[name], ref_g[name], low_g[name], torch.float32)
+
+
+FAMILIES = {  # the families kp-norms' patch supports: config class, model class, extra config
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16)),
+}
+
+
+def tiny(family):
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        attn_implementation="sdpa",
+        **extra,
+    )
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).to(DEVICE)
+
+
+def family_float64(model):
+    """The model in float64 through _attention64, every RMSNorm as the float64 formula (Gemma's scale 1 + w)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register("float64", _attention64)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("float64", sdpa_mask)
+    model = model.double()
+    model.set_attn_implementation("float64")
+    for m in model.modules():
+        name = type(m).__name__
+        if name.endswith("RMSNorm"):
+            eps = getattr(m, "eps", getattr(m, "variance_epsilon", None))
+            scale = (lambda w: 1 + w) if name.startswith("Gemma") else (lambda w: w)
+            m.forward = lambda x, m=m, eps=eps, scale=scale: (
+                scale(m.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            )
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_patched_matches_by_the_rule(family):
+    """A tiny random model of each family, left-padded: logits and every gradient by the rule against its float64
+    copy, PyTorch's own (SDPA) path as the baseline."""
+    model = tiny(family)
+    ids = torch.randint(0, 128, (2, 24), device=DEVICE)
+    mask = torch.ones(2, 24, dtype=torch.long, device=DEVICE)
+    mask[1, :5] = 0
+    keep = (slice(None), slice(5, None))
+    low, low_g = logits_and_grads(model, ids, mask, keep)
+    ref, ref_g = logits_and_grads(family_float64(tiny(family)), ids, mask, keep)
+    kp_attention.patch(model)
+    with kp_core.record_launches() as rec:
+        ours, ours_g = logits_and_grads(model, ids, mask, keep)
+    assert rec.count() > 0 and rec.backends() <= {kc.kernel_backend()}, rec.launches
+    kc.check_close("logits", ours, ref, low, torch.float32)
+    for name in ref_g:
+        kc.check_close(name, ours_g[name], ref_g[name], low_g[name], torch.float32)
