@@ -33,7 +33,7 @@ kc.declare(
             "softmax(scale * q K^T) V over each sequence's cached keys in float64 (Vaswani et al. 2017, eq. 1), "
             "paged rows gathered through block_table, causal diagonal bottom-right (FlashAttention's "
             "flash_attn_with_kvcache), window, GQA by repeating kv heads, softcap c * tanh(s / c), ALiBi "
-            "-slope * |i + L - Sq - j|"
+            "-slope * |i + L - Sq - j|, keys from cache_leftpad"
         ),
         dtypes=DTYPES,
         properties=("values", "switches", "append", "opcheck", "compile"),
@@ -65,6 +65,7 @@ def decode_cases(draw):
         window=draw(st.sampled_from(((-1, -1), (24, -1)) if causal else ((-1, -1), (24, 3)))),
         softcap=draw(st.sampled_from((0.0, 0.0, 15.0))),
         alibi=draw(st.sampled_from((None, None, "head", "batch"))),  # ALiBi slopes per head or (batch, head)
+        leftpad=draw(st.booleans()),  # sequences start a third of the way into their cache rows
         splits=draw(st.sampled_from((0, 1, 3))),
         seed=draw(st.integers(0, 2**16)),
         family=draw(st.sampled_from(kc.ATTENTION_FAMILIES)),  # per example: no more tests
@@ -103,6 +104,8 @@ def run_case(c, dtype, **extra):
         g = torch.Generator().manual_seed(c["seed"] + 7)
         shape = (c["hq"],) if c["alibi"] == "head" else (c["batch"], c["hq"])
         kw["alibi_slopes"] = (1.0 - torch.rand(shape, generator=g)).to(DEVICE)
+    if c.get("leftpad"):
+        kw["cache_leftpad"] = torch.tensor([n // 3 for n in lens], dtype=torch.int32, device=DEVICE)
     with kp_core.record_launches() as rec:
         out, lse = kp_attention.flash_attention_with_kvcache(
             q, k_cache, v_cache, seqlens, num_splits=c["splits"], return_lse=True, **kw, **extra
@@ -144,6 +147,7 @@ SWITCHES = [
     ("non-causal, no window", {"causal": False}),
     ("softcap (SOFTCAP)", {"softcap": 15.0, "splits": 2}),
     ("ALiBi per (batch, head) (HAS_ALIBI)", {"alibi": "batch", "splits": 2}),
+    ("cache_leftpad (HAS_LEFTPAD), paged", {"leftpad": True, "paged": True, "splits": 2}),
     ("full head dim", {"d": 64, "splits": 0}),
 ]
 
@@ -200,11 +204,12 @@ def test_opcheck(dtype):
     with kp_core.record_launches() as rec:
         torch.library.opcheck(
             decode_mod.KVCACHE.op,
-            (q, k_cache, v_cache, seqlens, k_new, v_new, None, None, True, -1, -1, 0.0, scale, 2),
+            (q, k_cache, v_cache, seqlens, k_new, v_new, None, None, None, True, -1, -1, 0.0, scale, 2),
         )
         slopes = torch.tensor([0.5, 0.25, 0.125, 1.0], device=DEVICE)
+        leftpad = torch.tensor([2, 9], dtype=torch.int32, device=DEVICE)
         torch.library.opcheck(
-            decode_mod.KVCACHE.op, (q, pk, pv, seqlens, None, None, bt, slopes, True, 4, -1, 2.0, scale, 0)
+            decode_mod.KVCACHE.op, (q, pk, pv, seqlens, None, None, bt, slopes, leftpad, True, 4, -1, 2.0, scale, 0)
         )
     kc.assert_kernel_ran(rec, OP)
 

@@ -159,12 +159,15 @@ def kvcache_rows(cache: torch.Tensor, b: int, n: int, block_table=None) -> torch
 
 def decode(attention, q, k_cache, v_cache, lens, *, block_table=None, causal=True, window=(-1, -1), **kw):
     """KV-cache attention by `attention` (attention64 or attention_lowp) one sequence at a time: sequence b's
-    queries attend its first lens[b] cached keys, the diagonal bottom-right. Returns what `attention` returns,
-    concatenated over the batch (out; and lse for attention64)."""
+    queries attend its first lens[b] cached keys (from row cache_leftpad[b] when kw has it), the diagonal
+    bottom-right. Returns what `attention` returns, concatenated over the batch (out; and lse for attention64)."""
     results = []
     slopes = kw.pop("alibi_slopes", None)
+    leftpad = kw.pop("cache_leftpad", None)
     for b, n in enumerate(lens):
         kb, vb = (kvcache_rows(c, b, n, block_table) for c in (k_cache, v_cache))
+        if leftpad is not None:  # the sequence starts at row leftpad[b]: the diagonal stays on its last key
+            kb, vb = kb[:, int(leftpad[b]) :], vb[:, int(leftpad[b]) :]
         if slopes is not None:  # (Hq,) or (B, Hq): sequence b's
             kw["alibi_slopes"] = slopes[b] if slopes.dim() == 2 else slopes
         results.append(attention(q[b : b + 1], kb, vb, causal=causal, window=window, **kw))

@@ -150,7 +150,6 @@ def test_rotary_rotates_q_and_the_new_keys_at_their_positions(interleaved, causa
             lambda q: fa.flash_attn_varlen_func(q[0], q[0], q[0], *_cu(), 8, 8, block_table=_cu()[0][None]),
             "block_table",
         ),
-        (lambda q: fa.flash_attn_with_kvcache(q, q, q, cache_leftpad=_cu()[0][:1]), "cache_leftpad"),
     ],
 )
 def test_what_is_not_supported_yet_says_so(call, name):
@@ -175,3 +174,35 @@ def test_bad_packed_and_rotary_arguments_name_themselves():
         fa.flash_attn_with_kvcache(q, cache, cache, q, q, cos, cos, cache_seqlens=8)
     with pytest.raises(TypeError, match="cache_batch_idx"):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_batch_idx=torch.zeros(1, device=DEVICE))
+
+
+def test_cache_leftpad_starts_each_sequence_and_its_rotary_positions_there():
+    b, sq, hq, hkv, d, rd = 2, 2, 4, 2, 32, 32
+    q, k, v = _randn(b, sq, hq, d, seed=20), _randn(b, sq, hkv, d, seed=21), _randn(b, sq, hkv, d, seed=22)
+    kc, vc = _randn(b, 48, hkv, d, seed=23), _randn(b, 48, hkv, d, seed=24)
+    theta = torch.arange(64, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(rd // 2) / (rd // 2))
+    cos, sin = theta.cos().float().to(DEVICE), theta.sin().float().to(DEVICE)
+    lens = torch.tensor([10, 40], dtype=torch.int32, device=DEVICE)
+    pad = torch.tensor([4, 0], dtype=torch.int32, device=DEVICE)
+    pos = (lens - pad).long()[:, None] + torch.arange(sq, device=DEVICE)  # positions count from the first row
+    q_rot = _rotary_complex(q, cos, sin, pos, False).to(DTYPE)
+    k_rot = _rotary_complex(k, cos, sin, pos, False).to(DTYPE)
+    kc_want, vc_want = kc.clone(), vc.clone()
+    want = kp_attention.flash_attention_with_kvcache(
+        q_rot, kc_want, vc_want, lens, k=k_rot, v=v, causal=True, cache_leftpad=pad
+    )
+    got = fa.flash_attn_with_kvcache(
+        q, kc, vc, k, v, cos, sin, cache_seqlens=lens, cache_leftpad=pad, causal=True, rotary_interleaved=False
+    )
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+    # and the rows before cache_leftpad are not attended: changing them changes nothing
+    def attend():
+        return fa.flash_attn_with_kvcache(q_rot, kc, vc, cache_seqlens=lens + sq, cache_leftpad=pad, causal=True)
+
+    kc[0, :4] = 100.0
+    again = attend()
+    kc[0, :4] = 0.0
+    assert torch.equal(again, attend())
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens + 1)

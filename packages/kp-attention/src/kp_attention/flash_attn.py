@@ -14,8 +14,8 @@ Supported here as in FlashAttention: causal (bottom-right), window_size, softcap
 deterministic (kp's backward is always deterministic), varlen, paged KV caches (block_table) and new tokens
 appended in place in flash_attn_with_kvcache, rotary embedding there (rotary_cos / rotary_sin, interleaved or
 not; applied with PyTorch ops before the kernel), and cache_batch_idx (the cache read as one page per sequence,
-so new tokens still land in the cache itself). Not yet: dropout_p > 0, block_table in flash_attn_varlen_func and
-cache_leftpad: each raises NotImplementedError naming the argument.
+so new tokens still land in the cache itself), cache_leftpad (rotary positions then count from it). Not yet:
+dropout_p > 0 and block_table in flash_attn_varlen_func: each raises NotImplementedError naming the argument.
 """
 
 from typing import Optional, Union
@@ -299,7 +299,6 @@ def flash_attn_with_kvcache(
 ):
     """FlashAttention's incremental decoding call (inference only): k and v, when given, are written into the cache
     in place at cache_seqlens (which is not changed) before attending; see the module docstring."""
-    _unsupported(KV_FN, "cache_leftpad", cache_leftpad, None)
     if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor):
         raise TypeError(f"kp_attention.flash_attn.{KV_FN}: q and k_cache must be tensors")
     if cache_batch_idx is not None:
@@ -327,6 +326,8 @@ def flash_attn_with_kvcache(
         if not isinstance(start, torch.Tensor):
             start = torch.full((q.shape[0],), start, device=q.device)
         start = start.long()[:, None]
+        if cache_leftpad is not None:  # a token's position counts from its sequence's first row
+            start = start - cache_leftpad.long()[:, None]
         _check_rotary_reach(start, max(k.shape[1], q.shape[1]), rotary_cos.shape[0])
         steps_k = torch.arange(k.shape[1], device=q.device)
         k = _rotate(k, rotary_cos, rotary_sin, start + steps_k, rotary_interleaved)
@@ -347,6 +348,7 @@ def flash_attn_with_kvcache(
         softcap=softcap,
         scale=softmax_scale,
         alibi_slopes=alibi_slopes,
+        cache_leftpad=cache_leftpad,
         num_splits=num_splits,
         return_lse=return_softmax_lse,
     )

@@ -393,6 +393,7 @@ def flash_attention_with_kvcache(
     softcap: float = 0.0,
     scale: Optional[float] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
     num_splits: int = 0,
     return_lse: bool = False,
 ):
@@ -406,12 +407,18 @@ def flash_attention_with_kvcache(
     cache_seqlens + Sq_new keys. causal aligns the diagonal bottom-right and forces window right = 0;
     window (left, right) bounds the keys about the diagonal (-1: unbounded); softcap c > 0 applies
     c * tanh(s / c) to the scaled scores; scale defaults to 1 / sqrt(D); alibi_slopes fp32 (Hq,) or (B, Hq)
-    adds -slope * |i + L - Sq - j| for L keys (after softcap, as FlashAttention). num_splits: key-length splits
+    adds -slope * |i + L - Sq - j| for L keys (after softcap, as FlashAttention); cache_leftpad int32 (B,): the
+    cache row each sequence starts at (keys before it are not attended; 0 <= cache_leftpad <= cache_seqlens).
+    num_splits: key-length splits
     (flash-decoding), 0 = chosen from the GPU's SM count. Returns out (B, Sq, Hq, D) in q's dtype, and
     with return_lse the fp32 log-sum-exp (B, Hq, Sq). Rows that see no key give 0 (lse -inf).
     """
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits)
     _check_alibi(KV_OP, alibi_slopes, q.shape[0], q.shape[2], q)
+    if cache_leftpad is not None:
+        kp_core.check_tensor(KV_OP, "cache_leftpad", cache_leftpad, dtypes=(torch.int32,), ndim=1)
+        kp_core.check_same_device(KV_OP, q=q, cache_leftpad=cache_leftpad)
+        kp_core.check_shape(KV_OP, "cache_leftpad", cache_leftpad, (q.shape[0],))
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
@@ -424,6 +431,7 @@ def flash_attention_with_kvcache(
         v,
         block_table,
         alibi_slopes,
+        cache_leftpad,
         bool(causal),
         int(window[0]),
         int(window[1]),

@@ -2,7 +2,7 @@
 
 For batch b with L = cache_seqlens[b] + Sq_new valid keys (the new k/v, if any, are first written into the cache
 at positions cache_seqlens[b] ...), query i of Sq sits on the diagonal p_i = i + L - Sq (bottom-right) and sees
-key j < L when
+key cache_leftpad[b] <= j < L (cache_leftpad 0 when not given) when
     causal:       j <= p_i                    window left  >= 0: j >= p_i - left
     window right >= 0 (non-causal): j <= p_i + right
     s = scale * q . k;  s = c * tanh(s / c) when softcap c > 0;  s -= slope_bh * |j - p_i| with ALiBi slopes;
@@ -70,8 +70,9 @@ def auto_num_splits(device: torch.device, programs: int, max_blocks: int) -> int
     return max(1, min(kp_core.cdiv(slots, programs), max_blocks, MAX_SPLITS))
 
 
-def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks):
-    """cache_seqlens + new within [0, capacity] and, paged, the block ids in use within the cache: one sync."""
+def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks, leftpad=None):
+    """cache_seqlens + new within [0, capacity], cache_leftpad within [0, cache_seqlens] and, paged, the block ids
+    in use within the cache: one sync."""
     if not VALIDATE_VALUES or cache_seqlens.numel() == 0:
         return
     if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -82,6 +83,8 @@ def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks):
         lens = cache_seqlens.long()
         used = torch.arange(block_table.shape[1], device=lens.device)[None, :] * page < (lens + new)[:, None]
         stats.append((used & ((block_table < 0) | (block_table >= num_blocks))).sum().to(lo.dtype))
+    if leftpad is not None:
+        stats.append(((leftpad < 0) | (leftpad > cache_seqlens)).sum().to(lo.dtype))
     stats = torch.stack(stats).tolist()
     if stats[0] < 0:
         raise ValueError(f"{OP}: cache_seqlens must be >= 0, got a minimum of {stats[0]}")
@@ -91,6 +94,8 @@ def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks):
         )
     if block_table is not None and stats[2]:
         raise ValueError(f"{OP}: block_table has {stats[2]} block ids in use outside [0, {num_blocks})")
+    if leftpad is not None and stats[-1]:
+        raise ValueError(f"{OP}: cache_leftpad has {stats[-1]} values outside [0, cache_seqlens]")
 
 
 # ---- the cache update and the reference path ----
@@ -136,7 +141,9 @@ def _launch_append(backend, k_cache, v_cache, cache_seqlens, k, v, block_table, 
     )
 
 
-def _reference(q, k_cache, v_cache, seqlens, block_table, alibi, causal, window_left, window_right, softcap, scale):
+def _reference(
+    q, k_cache, v_cache, seqlens, block_table, alibi, leftpad, causal, window_left, window_right, softcap, scale
+):
     """The formula in fp32 (fp64 is not accepted), one sequence at a time; fully masked rows give 0 / -inf."""
     batch, sq, hq, d = q.shape
     group = hq // k_cache.shape[2]
@@ -165,6 +172,8 @@ def _reference(q, k_cache, v_cache, seqlens, block_table, alibi, causal, window_
             ok &= idx[None, :] <= diag + right
         if window_left >= 0:
             ok &= idx[None, :] >= diag - window_left
+        if leftpad is not None:
+            ok &= idx[None, :] >= int(leftpad[b])
         s = s.masked_fill(~ok, float("-inf"))
         lse_b = torch.logsumexp(s, -1)  # (Hq, Sq)
         p = torch.exp(s - torch.where(lse_b.isinf(), 0.0, lse_b)[..., None])
@@ -189,6 +198,7 @@ def forward(
     v: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor],
     alibi_slopes: Optional[torch.Tensor],
+    cache_leftpad: Optional[torch.Tensor],
     causal: bool,
     window_left: int,
     window_right: int,
@@ -205,6 +215,7 @@ def forward(
         ("v", v),
         ("block_table", block_table),
         ("alibi_slopes", alibi_slopes),
+        ("cache_leftpad", cache_leftpad),
     ):
         if t is not None and t.device != q.device:
             kp_core.check_same_device(OP, q=q, **{name: t})
@@ -213,7 +224,7 @@ def forward(
     paged = block_table is not None
     capacity = block_table.shape[1] * page if paged else page
     new = 0 if k is None else k.shape[1]
-    _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks)
+    _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks, cache_leftpad)
     seqlens = cache_seqlens + new if new else cache_seqlens
     backend = kp_core.choose_backend(OP, q)
     if backend == kp_core.REFERENCE or q.numel() == 0:
@@ -221,7 +232,7 @@ def forward(
         if new:
             _append(k_cache, v_cache, cache_seqlens, k, v, block_table)
         args = (causal, window_left, window_right, softcap, scale)
-        return _reference(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, *args)
+        return _reference(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, cache_leftpad, *args)
     if new:
         _launch_append(backend, k_cache, v_cache, cache_seqlens.contiguous(), k, v, block_table, capacity)
 
@@ -269,6 +280,7 @@ def forward(
         seqlens if alibi_slopes is None else alibi_slopes,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
         0 if alibi_slopes is None else alibi_slopes.stride(-1),
+        seqlens if cache_leftpad is None else cache_leftpad.contiguous(),
         out,
         out.stride(0),
         out.stride(1),
@@ -300,6 +312,7 @@ def forward(
         HAS_RIGHT=right >= 0,
         SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None,
+        HAS_LEFTPAD=cache_leftpad is not None,
         IEEE=q.dtype == torch.float32,
         ONE_SPLIT=splits == 1,
     )

@@ -45,6 +45,7 @@ def _decode_split(
     ALIBI,
     stride_ab,
     stride_ah,
+    LEFTPAD,
     OUT,
     stride_ob,
     stride_os,
@@ -74,6 +75,7 @@ def _decode_split(
     HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
     IEEE: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
 ):
@@ -96,6 +98,10 @@ def _decode_split(
     L = tl.load(SEQLENS + b)
     n_bad = ((L < new) | (L > capacity)).to(tl.int32)
     L = tl.where(n_bad > 0, 0, L)  # nothing to read
+    if HAS_LEFTPAD:  # the sequence's keys start at cache_leftpad[b]: [first, L)
+        first = tl.load(LEFTPAD + b)
+        n_bad += ((first < 0) | (first > L)).to(tl.int32)
+        first = tl.where(n_bad > 0, 0, first)
 
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP * Sq
@@ -114,6 +120,8 @@ def _decode_split(
     lo = L * 0
     if HAS_LEFT:
         lo = tl.maximum(L - Sq - win_left, 0)
+    if HAS_LEFTPAD:
+        lo = tl.maximum(lo, first)
     lo = (lo // BLOCK_N) * BLOCK_N
     per_split = tl.cdiv(tl.cdiv(L - lo, BLOCK_N), num_splits) * BLOCK_N
     start = lo + split * per_split
@@ -160,6 +168,8 @@ def _decode_split(
             ok = ok & (offs_n[None, :] <= diag[:, None] + win_right)
         if HAS_LEFT:
             ok = ok & (offs_n[None, :] >= diag[:, None] - win_left)
+        if HAS_LEFTPAD:
+            ok = ok & (offs_n[None, :] >= first)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
