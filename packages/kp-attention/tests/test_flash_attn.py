@@ -117,14 +117,20 @@ def _rotary_complex(x, cos, sin, positions, interleaved):
     return torch.cat((r, xd[..., 2 * half :]), -1)
 
 
+def _decode_case(sq: int, rd: int, seed: int):
+    """q, k, v (batch 2, sq new tokens, 4 / 2 heads, D 32), the caches (48 rows) and rotary tables (64 x rd / 2)."""
+    b, hq, hkv, d = 2, 4, 2, 32
+    q, k, v = (_randn(b, sq, h, d, seed=seed + i) for i, h in enumerate((hq, hkv, hkv)))
+    kc, vc = _randn(b, 48, hkv, d, seed=seed + 3), _randn(b, 48, hkv, d, seed=seed + 4)
+    theta = torch.arange(64, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(rd // 2) / (rd // 2))
+    return q, k, v, kc, vc, theta.cos().float().to(DEVICE), theta.sin().float().to(DEVICE)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
 def test_rotary_rotates_q_and_the_new_keys_at_their_positions(interleaved, causal):
-    b, sq, hq, hkv, d, rd = 2, 3, 4, 2, 32, 16
-    q, k, v = _randn(b, sq, hq, d, seed=15), _randn(b, sq, hkv, d, seed=16), _randn(b, sq, hkv, d, seed=17)
-    kc, vc = _randn(b, 48, hkv, d, seed=18), _randn(b, 48, hkv, d, seed=19)
-    theta = torch.arange(64, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(rd // 2) / (rd // 2))
-    cos, sin = theta.cos().float().to(DEVICE), theta.sin().float().to(DEVICE)
+    b, sq = 2, 3
+    q, k, v, kc, vc, cos, sin = _decode_case(sq, 16, seed=15)
     lens = torch.tensor([7, 40], dtype=torch.int32, device=DEVICE)
     pos_k = lens.long()[:, None] + torch.arange(sq, device=DEVICE)
     pos_q = pos_k if causal else lens.long()[:, None].expand(b, sq)  # FlashAttention's rule
@@ -177,11 +183,8 @@ def test_bad_packed_and_rotary_arguments_name_themselves():
 
 
 def test_cache_leftpad_starts_each_sequence_and_its_rotary_positions_there():
-    b, sq, hq, hkv, d, rd = 2, 2, 4, 2, 32, 32
-    q, k, v = _randn(b, sq, hq, d, seed=20), _randn(b, sq, hkv, d, seed=21), _randn(b, sq, hkv, d, seed=22)
-    kc, vc = _randn(b, 48, hkv, d, seed=23), _randn(b, 48, hkv, d, seed=24)
-    theta = torch.arange(64, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(rd // 2) / (rd // 2))
-    cos, sin = theta.cos().float().to(DEVICE), theta.sin().float().to(DEVICE)
+    sq = 2
+    q, k, v, kc, vc, cos, sin = _decode_case(sq, 32, seed=20)
     lens = torch.tensor([10, 40], dtype=torch.int32, device=DEVICE)
     pad = torch.tensor([4, 0], dtype=torch.int32, device=DEVICE)
     pos = (lens - pad).long()[:, None] + torch.arange(sq, device=DEVICE)  # positions count from the first row
