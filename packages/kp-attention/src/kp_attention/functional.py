@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 import kp_core
+from kp_attention import backend as backends
 from kp_attention.ops.attention import DTYPES, FLASH, FLASH_VARLEN, MAX_HEAD_DIM, Params, default_scale
 from kp_attention.ops.decode import KVCACHE, PAGE_MULTIPLE
 
@@ -91,6 +92,7 @@ def flash_attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    backend: str = "kp",
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """FlashAttention's `flash_attn_func`: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), any strides.
 
@@ -105,14 +107,27 @@ def flash_attention(
     logsumexp of the (scaled, softcapped) scores. lse is differentiable. Rows with no visible key (possible when
     Sq > Sk under causal/window masks) give out 0, lse -inf and zero gradients.
     deterministic is accepted for FlashAttention compatibility and always satisfied: the backward uses no atomics.
+    backend: "kp" (kp's kernel), "torch" or "auto" (PyTorch's fused SDPA where it can stand for the call, always or
+    when measured faster: kp_attention.backend).
     """
     op = "kp_attention.flash_attention"
+    backends.check(op, backend)
     _check_qkv(op, q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"{op}: batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
     p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
     _check_alibi(op, alibi_slopes, q.shape[0], q.shape[2], q)
-    out, lse = FLASH(q, k, v, None, alibi_slopes, p.scale, p.softcap, p.window_left, p.window_right, True)
+
+    def run_kp(q, k, v):
+        return FLASH(q, k, v, None, alibi_slopes, p.scale, p.softcap, p.window_left, p.window_right, True)
+
+    window = (p.window_left, p.window_right)
+    refused = backends.torch_refuses(
+        q, k, causal=causal, window=window, softcap=p.softcap, alibi=alibi_slopes, mask=None, lse=return_lse
+    )
+    if backends.choose(op, backend, refused, q, k, v, causal, p.scale, lambda *t: run_kp(*t)[0]) == backends.TORCH:
+        return backends.torch_attention(q, k, v, causal=causal, scale=p.scale)
+    out, lse = run_kp(q, k, v)
     return (out, lse) if return_lse else out
 
 

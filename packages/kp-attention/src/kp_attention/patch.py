@@ -13,6 +13,7 @@ from torch import nn
 
 NAME = "kp"
 _PREVIOUS = "_kp_attention_previous"
+BACKEND_ATTR = "kp_attention_backend"  # the model config's attribute patch(model, backend=...) sets
 
 
 def kp_attention_forward(
@@ -46,8 +47,9 @@ def kp_attention_forward(
         causal = bool(causal) and query.shape[2] > 1
         # transformers' sliding window keeps keys with kv_idx > q_idx - window: `window - 1` to the left.
         left = window - 1 if window else -1
+        backend = getattr(module.config, BACKEND_ATTR, "kp")
         out = flash_attention(
-            q, k, v, causal=causal, window=(left, 0 if causal else -1), softcap=softcap, scale=scaling
+            q, k, v, causal=causal, window=(left, 0 if causal else -1), softcap=softcap, scale=scaling, backend=backend
         )
         return out, None
     out = scaled_dot_product_attention(
@@ -67,12 +69,17 @@ def register() -> str:
     return NAME
 
 
-def patch(model: nn.Module) -> str:
+def patch(model: nn.Module, backend: str = "kp") -> str:
     """Switch a transformers model (Llama family and any model using the attention registry) to kp's attention.
-    Returns the implementation it replaced (e.g. "sdpa"); `unpatch` restores it."""
+    backend: what its mask-free calls run (kp_attention.backend: "kp", "torch" or "auto"). Returns the
+    implementation it replaced (e.g. "sdpa"); `unpatch` restores it."""
     if not isinstance(model, nn.Module) or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"kp_attention.patch: model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    from kp_attention import backend as backends
+
+    backends.check("kp_attention.patch", backend)
     register()
+    setattr(model.config, BACKEND_ATTR, backend)
     previous = model.config._attn_implementation
     if previous != NAME:
         setattr(model, _PREVIOUS, previous)
@@ -83,6 +90,8 @@ def patch(model: nn.Module) -> str:
 def unpatch(model: nn.Module) -> str | None:
     """Restore the attention implementation `patch` replaced; returns it (None when the model was not patched)."""
     previous = getattr(model, _PREVIOUS, None)
+    if hasattr(model.config, BACKEND_ATTR):
+        delattr(model.config, BACKEND_ATTR)
     if previous is not None:
         model.set_attn_implementation(previous)
         delattr(model, _PREVIOUS)

@@ -42,6 +42,7 @@ from kp_core.launches import (
 )
 from kp_core.library import KernelInfo, Op, op, registered_kernels
 from kp_core.scratch import workspace
+from kp_core.timing import median_ms
 from kp_core.tolerance import atol_for, rule_bound
 from kp_core.tuning import pin, pinned, settings, unpin
 
@@ -79,6 +80,7 @@ __all__ = [
     "interpreter_enabled",
     "inlining_active",
     "launch",
+    "median_ms",
     "next_power_of_2",
     "note_launch",
     "op",
