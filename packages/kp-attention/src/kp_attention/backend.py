@@ -64,8 +64,8 @@ def torch_attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
 
 
 def choose(op: str, backend: str, refused: str | None, q, k, v, causal: bool, scale: float, run_kp: Callable) -> str:
-    """kp or torch for this call (refused: torch_refuses' answer). run_kp(q, k, v) runs kp's kernel."""
-    backend = kp_core.settings("attention_backend", backend=backend)["backend"]
+    """kp or torch for this call (refused: torch_refuses' answer), backend after kp_core.settings'
+    "attention_backend" pin. run_kp(q, k, v) runs kp's kernel."""
     if backend == KP or refused is not None:
         return KP
     if backend == TORCH:

@@ -121,12 +121,15 @@ def flash_attention(
     def run_kp(q, k, v):
         return FLASH(q, k, v, None, alibi_slopes, p.scale, p.softcap, p.window_left, p.window_right, True)
 
-    window = (p.window_left, p.window_right)
-    refused = backends.torch_refuses(
-        q, k, causal=causal, window=window, softcap=p.softcap, alibi=alibi_slopes, mask=None, lse=return_lse
-    )
-    if backends.choose(op, backend, refused, q, k, v, causal, p.scale, lambda *t: run_kp(*t)[0]) == backends.TORCH:
-        return backends.torch_attention(q, k, v, causal=causal, scale=p.scale)
+    backend = kp_core.settings("attention_backend", backend=backend)["backend"]
+    if backend != backends.KP:  # kp's kernel needs no look at the call (the default: no host cost added)
+        window = (p.window_left, p.window_right)
+        refused = backends.torch_refuses(
+            q, k, causal=causal, window=window, softcap=p.softcap, alibi=alibi_slopes, mask=None, lse=return_lse
+        )
+        run = lambda *t: run_kp(*t)[0]  # noqa: E731
+        if backends.choose(op, backend, refused, q, k, v, causal, p.scale, run) == backends.TORCH:
+            return backends.torch_attention(q, k, v, causal=causal, scale=p.scale)
     out, lse = run_kp(q, k, v)
     return (out, lse) if return_lse else out
 
