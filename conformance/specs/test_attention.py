@@ -112,20 +112,10 @@ def make_qkv(c, dtype, requires_grad=False):
     return finish(q), finish(k), finish(v)
 
 
-def slopes(kind, b: int, hq: int, seed: int):
-    """ALiBi slopes (kind "head": (hq,), "batch": (b, hq)) on the device, fp32: random in (0, 1], so some rows'
-    biases span hundreds of logits and some barely move the scores."""
-    if kind is None:
-        return None
-    g = torch.Generator().manual_seed(seed)
-    shape = (hq,) if kind == "head" else (b, hq)
-    return (1.0 - torch.rand(shape, generator=g)).to(DEVICE)
-
-
 def kw(c):
     options = dict(causal=c["causal"], window=c["window"], softcap=c["softcap"], scale=c["scale"])
     if c.get("alibi"):
-        options["alibi_slopes"] = slopes(c["alibi"], c["b"], c["hq"], c["seed"])
+        options["alibi_slopes"] = kc.alibi_slopes(c["alibi"], c["b"], c["hq"], c["seed"], DEVICE)
     return options
 
 
@@ -225,7 +215,7 @@ def test_every_switch(dtype, what, shape, options, sdpa):
     c = dict(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, layout="contiguous", seed=sum(shape))
     q, k, v = make_qkv(c, dtype)
     if "alibi_slopes" in options:
-        options = {**options, "alibi_slopes": slopes(options["alibi_slopes"], b, hq, 11)}
+        options = {**options, "alibi_slopes": kc.alibi_slopes(options["alibi_slopes"], b, hq, 11, DEVICE)}
     if sdpa is None:
         with kp_core.record_launches() as rec:
             out, lse = kp_attention.flash_attention(q, k, v, return_lse=True, **options)
@@ -318,7 +308,7 @@ def test_varlen_matches_per_sequence(dtype):
     q, k, v = packed(sum(lens_q), hq), packed(sum(lens_k), hkv), packed(sum(lens_k), hkv)
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    alibi = slopes("batch", len(lens_q), hq, 4)
+    alibi = kc.alibi_slopes("batch", len(lens_q), hq, 4, DEVICE)
     for causal, window, alibi_slopes in ((False, (-1, -1), None), (True, (-1, -1), alibi), (True, (16, -1), None)):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         options = dict(causal=causal, window=window)
@@ -481,11 +471,12 @@ def test_opcheck(dtype):
     cu_q = torch.tensor([0, 17, 37], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 30, 45], dtype=torch.int32, device=DEVICE)
     with kp_core.record_launches() as rec:
-        for right, alibi in ((-1, None), (0, slopes("head", 1, 4, 1))):  # no mask; causal (bottom-right), ALiBi
+        # no mask; causal (bottom-right) with ALiBi
+        for right, alibi in ((-1, None), (0, kc.alibi_slopes("head", 1, 4, 1, DEVICE))):
             args = (q, k, v, None, alibi, 1 / math.sqrt(c["d"]), 0.0, -1, right, True)
             torch.library.opcheck(attention_mod.FLASH.op, args)
         packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
-        alibi = slopes("batch", 2, 4, 2)
+        alibi = kc.alibi_slopes("batch", 2, 4, 2, DEVICE)
         torch.library.opcheck(attention_mod.FLASH_VARLEN.op, (*packed, cu_q, cu_k, alibi, 20, 30, 0.25, 0.0, -1, 0))
     kc.assert_kernel_ran(rec, FWD, BWD, VARLEN, VARLEN_BWD)
 

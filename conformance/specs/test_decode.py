@@ -100,10 +100,8 @@ def run_case(c, dtype, **extra):
         q = apply_family(c, q, k_cache, bt, lens)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     kw = dict(block_table=bt, causal=c["causal"], window=c["window"], softcap=c["softcap"])
-    if c.get("alibi"):  # random slopes in (0, 1]
-        g = torch.Generator().manual_seed(c["seed"] + 7)
-        shape = (c["hq"],) if c["alibi"] == "head" else (c["batch"], c["hq"])
-        kw["alibi_slopes"] = (1.0 - torch.rand(shape, generator=g)).to(DEVICE)
+    if c.get("alibi"):
+        kw["alibi_slopes"] = kc.alibi_slopes(c["alibi"], c["batch"], c["hq"], c["seed"] + 7, DEVICE)
     if c.get("leftpad"):
         kw["cache_leftpad"] = torch.tensor([n // 3 for n in lens], dtype=torch.int32, device=DEVICE)
     with kp_core.record_launches() as rec:

@@ -141,6 +141,16 @@ def _family(x: torch.Tensor, family: str, g: torch.Generator) -> torch.Tensor:
 ATTENTION_FAMILIES = ("normal", "large_range", "identical_keys", "one_dominant")
 
 
+def alibi_slopes(kind: str | None, batch: int, heads: int, seed: int, device) -> torch.Tensor | None:
+    """ALiBi slopes for the attention and decode specs: None (kind None), (heads,) ("head") or (batch, heads)
+    ("batch"), fp32 random in (0, 1], so some rows' biases span hundreds of logits and some barely move them."""
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    shape = (heads,) if kind == "head" else (batch, heads)
+    return (1.0 - torch.rand(shape, generator=g)).to(device)
+
+
 def attention_family(q, k, family: str, g: torch.Generator, *, scale: float, visible: torch.Tensor | None = None):
     """(q, k), float64 (B, S, H, D) with kv heads dividing q heads, reshaped into `family`'s values. scale: the
     softmax scale; visible: (Sq, Sk) or (B, Sq, Sk) bool, the keys each query may see (default all)."""
