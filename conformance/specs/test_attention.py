@@ -21,6 +21,7 @@ import kp_attention
 import kp_conformance as kc
 import kp_core
 from kp_attention.ops import attention as attention_mod
+from kp_attention.ops import dropout
 from kp_conformance.references import allowed, attention64, attention_lowp, lse_lowp
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -199,6 +200,7 @@ SWITCHES = [
     ("window both sides", (1, 66, 130, 2, 2, 48), {"window": (20, 5)}, None),
     ("softcap", (1, 45, 77, 2, 1, 80), {"softcap": 7.0, "causal": True}, None),
     ("ALiBi per (batch, head) (MASK_KIND 3)", (2, 70, 90, 4, 2, 32), {"alibi_slopes": "batch"}, None),
+    ("dropout (DROPOUT), causal, GQA", (2, 70, 90, 4, 2, 32), {"causal": True, "dropout_p": 0.2}, None),
     ("top-left causal (SDPA is_causal)", (1, 40, 70, 2, 2, 32), {}, {"is_causal": True}),
     # fp32 runs a boolean mask as the additive mask it equals (MASK_KIND 2; attention._mask_args says why)
     ("boolean mask (MASK_KIND 1)", (2, 33, 47, 2, 2, 32), {}, {"attn_mask": "bool"}),
@@ -217,12 +219,17 @@ def test_every_switch(dtype, what, shape, options, sdpa):
     if "alibi_slopes" in options:
         options = {**options, "alibi_slopes": kc.alibi_slopes(options["alibi_slopes"], b, hq, 11, DEVICE)}
     if sdpa is None:
+        call = dict(options)
+        if "dropout_p" in options:  # the reference gets the call's mask: dropout.keep_mask, Philox in PyTorch
+            call["dropout_seed"] = seed = torch.tensor([sum(shape)], device=DEVICE)
+            keep = dropout.keep_mask(seed, torch.arange(b * hq, device=DEVICE), sq, sk, options["dropout_p"])
+            options = {**options, "keep": keep.view(b, hq, sq, sk)}
         with kp_core.record_launches() as rec:
-            out, lse = kp_attention.flash_attention(q, k, v, return_lse=True, **options)
+            out, lse = kp_attention.flash_attention(q, k, v, return_lse=True, **call)
         kc.assert_kernel_ran(rec, FWD)
         check_values(q, k, v, out, lse, dtype, **options)
         rec = check_gradients(
-            lambda q, k, v: kp_attention.flash_attention(q, k, v, **options), q, k, v, dtype, 1, **options
+            lambda q, k, v: kp_attention.flash_attention(q, k, v, **call), q, k, v, dtype, 1, **options
         )
         kc.assert_kernel_ran(rec, FWD, BWD)
         return
@@ -473,11 +480,12 @@ def test_opcheck(dtype):
     with kp_core.record_launches() as rec:
         # no mask; causal (bottom-right) with ALiBi
         for right, alibi in ((-1, None), (0, kc.alibi_slopes("head", 1, 4, 1, DEVICE))):
-            args = (q, k, v, None, alibi, 1 / math.sqrt(c["d"]), 0.0, -1, right, True)
+            args = (q, k, v, None, alibi, None, 1 / math.sqrt(c["d"]), 0.0, -1, right, True, 0.0)
             torch.library.opcheck(attention_mod.FLASH.op, args)
         packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
         alibi = kc.alibi_slopes("batch", 2, 4, 2, DEVICE)
-        torch.library.opcheck(attention_mod.FLASH_VARLEN.op, (*packed, cu_q, cu_k, alibi, 20, 30, 0.25, 0.0, -1, 0))
+        args = (*packed, cu_q, cu_k, alibi, None, 20, 30, 0.25, 0.0, -1, 0, 0.0)
+        torch.library.opcheck(attention_mod.FLASH_VARLEN.op, args)
     kc.assert_kernel_ran(rec, FWD, BWD, VARLEN, VARLEN_BWD)
 
 
@@ -512,3 +520,6 @@ def test_reference_is_independent():
     assert rec.count() == 0
     # One key: every query's output is that key's value.
     assert torch.allclose(attention64(q[:, :1], q[:, :1, :1], q[:, :1, :1])[0], q[:, :1, :1].expand(1, 1, 2, 4))
+    # The dropout switch's mask comes from kp_attention.ops.dropout.philox, plain PyTorch: Random123's known answer
+    want = [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert [int(w) for w in dropout.philox(0, *(torch.tensor(0),) * 4)] == want

@@ -100,31 +100,60 @@ def _masked(s, q, k, causal, window, mask, top_left, alibi=None):
 
 
 def attention64(
-    q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False, alibi_slopes=None
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    scale=None,
+    mask=None,
+    top_left=False,
+    alibi_slopes=None,
+    keep=None,
+    dropout_p=0.0,
 ):
     """softmax(scale * Q K^T + mask) V (Vaswani et al. 2017, eq. 1) in float64 on (B, S, H, D) tensors; softcap
-    c * tanh(s / c) (Gemma 2 report); alibi_slopes: the slopes of alibi_bias, added after softcap. Returns
-    (out, lse); rows with no visible key give 0 and -inf."""
+    c * tanh(s / c) (Gemma 2 report); alibi_slopes: the slopes of alibi_bias, added after softcap; dropout
+    (Srivastava et al. 2014) of the probabilities with the given (B, Hq, Sq, Sk) boolean keep mask, the kept ones
+    scaled by 1 / (1 - dropout_p). Returns (out, lse); rows with no visible key give 0 and -inf."""
     q, k, v = (t.double() for t in (q, k, v))
     s = _masked(_scores(q, k, scale, softcap), q, k, causal, window, mask, top_left, alibi_slopes)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    if keep is not None:
+        p = p * keep / (1 - dropout_p)
     v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
 def attention_lowp(
-    q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False, alibi_slopes=None
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    scale=None,
+    mask=None,
+    top_left=False,
+    alibi_slopes=None,
+    keep=None,
+    dropout_p=0.0,
 ):
-    """PyTorch in the input's precision: SDPA with the mask made explicit, or with softcap or ALiBi (which SDPA
-    lacks) Hugging Face's eager attention (scores in the input dtype, the ALiBi bias added and the softmax taken in
-    fp32). Fully masked rows: 0."""
+    """PyTorch in the input's precision: SDPA with the mask made explicit, or with softcap, ALiBi or a given
+    dropout mask (which SDPA lacks) Hugging Face's eager attention (scores in the input dtype, the ALiBi bias added
+    and the softmax taken in fp32, dropout applied to the probabilities in the input dtype). Fully masked rows: 0."""
     if k.shape[1] == 0:
         return q.new_zeros(q.shape)
-    if softcap > 0 or alibi_slopes is not None:
+    if softcap > 0 or alibi_slopes is not None or keep is not None:
         s = _scores(q, k, scale, softcap)
         s = _masked(s if alibi_slopes is None else s.float(), q, k, causal, window, mask, top_left, alibi_slopes)
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        if keep is not None:
+            p = p * keep / (1 - dropout_p)
         vr = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
         return torch.einsum("bhqk,bkhd->bqhd", p, vr).nan_to_num(0.0)
     ok = allowed(q.shape[1], k.shape[1], causal, window, q.device, top_left)
@@ -139,10 +168,21 @@ def attention_lowp(
 
 
 def lse_lowp(
-    q, k, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, mask=None, top_left=False, alibi_slopes=None
+    q,
+    k,
+    *,
+    causal=False,
+    window=(-1, -1),
+    softcap=0.0,
+    scale=None,
+    mask=None,
+    top_left=False,
+    alibi_slopes=None,
+    keep=None,
+    dropout_p=0.0,
 ):
     """lse has no PyTorch counterpart: its baseline is logsumexp (fp32) of the scores PyTorch forms in q's dtype
-    (the ALiBi bias added in fp32)."""
+    (the ALiBi bias added in fp32). Dropout (keep, dropout_p) does not change lse."""
     s = _scores(q, k, scale, softcap)
     s = _masked(s if alibi_slopes is None else s.float(), q, k, causal, window, mask, top_left, alibi_slopes)
     return torch.logsumexp(s.float(), dim=-1)

@@ -263,13 +263,16 @@ def test_compile_and_opcheck():
     cu_q = torch.tensor([0, 10, 33], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 25, 40], dtype=torch.int32, device=DEVICE)
     mask = torch.rand(33, 40, device=DEVICE) > 0.2
+    seed = torch.tensor([1234], device=DEVICE)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with kp_core.record_launches() as rec:
-        torch.library.opcheck(attention.FLASH.op, (*leaves, None, None, 0.25, 0.0, 7, 0, True))
+        torch.library.opcheck(attention.FLASH.op, (*leaves, None, None, None, 0.25, 0.0, 7, 0, True, 0.0))
         transposed = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
-        torch.library.opcheck(attention.FLASH.op, (transposed, *leaves[1:], mask, None, 0.25, 1.5, -1, -1, False))
+        args = (transposed, *leaves[1:], mask, None, seed, 0.25, 1.5, -1, -1, False, 0.3)  # with dropout
+        torch.library.opcheck(attention.FLASH.op, args)
         packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
-        torch.library.opcheck(attention.FLASH_VARLEN.op, (*packed, cu_q, cu_k, None, 23, 25, 0.25, 0.0, -1, 0))
+        args = (*packed, cu_q, cu_k, None, seed, 23, 25, 0.25, 0.0, -1, 0, 0.3)
+        torch.library.opcheck(attention.FLASH_VARLEN.op, args)
     assert rec.backends() == {KERNEL}
 
     def fn(q, k, v):
@@ -288,9 +291,12 @@ def test_a_tensor_on_another_device_is_refused_by_the_op():
     q, k, v, _ = make(1, 8, 8, 2, 2, 16, torch.float32)
     other = torch.ones(3, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="cu_seqlens_q must be on the same device as q"):
-        attention.FLASH_VARLEN(q[0], k[0], v[0], other, other, None, 8, 8, 0.25, 0.0, -1, -1)
+        attention.FLASH_VARLEN(q[0], k[0], v[0], other, other, None, None, 8, 8, 0.25, 0.0, -1, -1, 0.0)
     with pytest.raises(ValueError, match="attn_mask must be on the same device as q"):
-        attention.FLASH(q, k, v, torch.ones(8, 8, dtype=torch.bool, device="meta"), None, 0.25, 0.0, -1, -1, False)
+        meta_mask = torch.ones(8, 8, dtype=torch.bool, device="meta")
+        attention.FLASH(q, k, v, meta_mask, None, None, 0.25, 0.0, -1, -1, False, 0.0)
+    with pytest.raises(ValueError, match="dropout_seed"):
+        attention.FLASH(q, k, v, None, None, None, 0.25, 0.0, -1, -1, False, 0.5)
 
 
 def test_reference_backend_is_selectable(monkeypatch):
@@ -335,7 +341,14 @@ def test_errors_name_the_argument():
         (ValueError, "start at 0", lambda: varlen(q[0], k[0], v[0], ints(1, 4), cu, 4, 4)),
         (ValueError, "max_seqlen_k", lambda: varlen(q[0], k[0], v[0], cu, cu, 4, 3)),
         (ValueError, "max_seqlen_q", lambda: varlen(q[0], k[0], v[0], cu, cu, -1, 4)),
-        (NotImplementedError, "dropout", lambda: sdpa(q, k, v, dropout_p=0.1)),
+        (ValueError, "dropout_p", lambda: sdpa(q, k, v, dropout_p=1.5)),
+        (ValueError, "dropout_p", lambda: fa(q, k, v, dropout_p=-0.1)),
+        (TypeError, "dropout_seed", lambda: fa(q, k, v, dropout_p=0.1, dropout_seed=torch.zeros(1, device=DEVICE))),
+        (
+            ValueError,
+            "dropout_seed",
+            lambda: fa(q, k, v, dropout_p=0.1, dropout_seed=torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)),
+        ),
         (ValueError, "enable_gqa", lambda: sdpa(q, k[:, :3], v[:, :3])),  # 4 heads against 3
         (ValueError, "multiple", lambda: sdpa(q, k[:, :3], v[:, :3], enable_gqa=True)),
         (ValueError, "at least 2 dimensions", lambda: sdpa(q[0, 0, 0], k, v)),

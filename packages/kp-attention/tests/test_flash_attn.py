@@ -151,7 +151,6 @@ def test_rotary_rotates_q_and_the_new_keys_at_their_positions(interleaved, causa
 @pytest.mark.parametrize(
     "call, name",
     [
-        (lambda q: fa.flash_attn_func(q, q, q, dropout_p=0.1), "dropout_p"),
         (
             lambda q: fa.flash_attn_varlen_func(q[0], q[0], q[0], *_cu(), 8, 8, block_table=_cu()[0][None]),
             "block_table",

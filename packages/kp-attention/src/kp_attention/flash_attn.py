@@ -6,16 +6,20 @@
 Each function takes FlashAttention's arguments in FlashAttention's order and with its defaults (note
 `flash_attn_with_kvcache`'s `causal=False`, where kp's own `flash_attention_with_kvcache` defaults to True) and
 returns what it returns: `out`, or with `return_attn_probs=True` the triple `(out, softmax_lse, S_dmask)`, where
-S_dmask is None as FlashAttention's is without dropout. softmax_lse is (batch, heads, seqlen), or (heads, total_q)
-for the varlen functions. The packed forms read q, k and v as views of qkv / kv (no copy); their gradients reach
-the packed tensor.
+S_dmask is None as FlashAttention's is without dropout, and with dropout, for tests as FlashAttention's, the
+unnormalised probabilities exp(s - row max) of shape (batch, heads, seqlen_q, seqlen_k) (the varlen functions:
+max_seqlen_q, max_seqlen_k, each sequence at the top left), negative where dropout dropped them (computed in PyTorch
+from the call's inputs and its dropout seed, not by the kernel). softmax_lse is (batch, heads, seqlen), or (heads,
+total_q) for the varlen functions. The packed forms read q, k and v as views of qkv / kv (no copy); their gradients
+reach the packed tensor.
 
 Supported here as in FlashAttention: causal (bottom-right), window_size, softcap, alibi_slopes, GQA/MQA,
-deterministic (kp's backward is always deterministic), varlen, paged KV caches (block_table) and new tokens
-appended in place in flash_attn_with_kvcache, rotary embedding there (rotary_cos / rotary_sin, interleaved or
-not; applied with PyTorch ops before the kernel), and cache_batch_idx (the cache read as one page per sequence,
-so new tokens still land in the cache itself), cache_leftpad (rotary positions then count from it). Not yet:
-dropout_p > 0 and block_table in flash_attn_varlen_func: each raises NotImplementedError naming the argument.
+deterministic (kp's backward is always deterministic), dropout (kp_attention.ops.dropout: Philox, seeded from
+torch's generator per call, the same mask again in the backward), varlen, paged KV caches (block_table) and new
+tokens appended in place in flash_attn_with_kvcache, rotary embedding there (rotary_cos / rotary_sin, interleaved or
+not; applied with PyTorch ops before the kernel), and cache_batch_idx (the cache read as one page per sequence, so
+new tokens still land in the cache itself), cache_leftpad (rotary positions then count from it). Not yet:
+block_table in flash_attn_varlen_func, which raises NotImplementedError naming the argument.
 """
 
 from typing import Optional, Union
@@ -23,7 +27,7 @@ from typing import Optional, Union
 import torch
 
 from kp_attention.functional import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
-from kp_attention.ops import decode
+from kp_attention.ops import attention, decode, dropout
 from kp_attention.ops.decode import PAGE_MULTIPLE
 
 __all__ = [
@@ -42,14 +46,28 @@ def _unsupported(fn: str, name: str, value, off) -> None:
         raise NotImplementedError(f"kp_attention.flash_attn.{fn}: {name} is not supported yet (got {value!r})")
 
 
-def _result(out_lse, return_attn_probs: bool):
-    out, lse = out_lse
-    return (out, lse, None) if return_attn_probs else out
+def _seed(q, dropout_p) -> Optional[torch.Tensor]:
+    """This call's dropout seed (kept for S_dmask); the functions below check dropout_p's value."""
+    ok = isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and 0 < dropout_p <= 1
+    return dropout.draw_seed(q.device) if ok and isinstance(q, torch.Tensor) else None
+
+
+def _signed_probs(q, k, seed, dropout_p, scale, causal, window, softcap, alibi, first_batch: int) -> torch.Tensor:
+    """S_dmask (see the module docstring) of dense (B, S, H, D) q and k."""
+    left, right = window
+    p = attention.Params(
+        attention.default_scale(q.shape[-1]) if scale is None else float(scale),
+        float(softcap),
+        int(left),
+        0 if causal else int(right),
+        dropout_p=float(dropout_p),
+    )
+    return attention.signed_exp_scores(q, k, alibi, seed, first_batch, p).to(q.dtype)
 
 
 def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, probs):
-    _unsupported(fn, "dropout_p", dropout_p, 0.0)
-    out_lse = flash_attention(
+    seed = _seed(q, dropout_p)
+    out, lse = flash_attention(
         q,
         k,
         v,
@@ -58,10 +76,18 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         softcap=softcap,
         scale=softmax_scale,
         alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
+        dropout_seed=seed,
         return_lse=True,
         deterministic=deterministic,
     )
-    return _result(out_lse, probs)
+    if not probs:
+        return out
+    if seed is None:
+        return out, lse, None
+    with torch.no_grad():
+        s_dmask = _signed_probs(q, k, seed, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, 0)
+    return out, lse, s_dmask
 
 
 def flash_attn_func(
@@ -130,8 +156,8 @@ def _packed(fn: str, name: str, t, ndim: int, parts: int) -> None:
 
 
 def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, alibi, det, probs):
-    _unsupported(fn, "dropout_p", dropout_p, 0.0)
-    out_lse = flash_attention_varlen(
+    seed = _seed(q, dropout_p)
+    out, lse = flash_attention_varlen(
         q,
         k,
         v,
@@ -144,10 +170,24 @@ def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win
         softcap=softcap,
         scale=scale,
         alibi_slopes=alibi,
+        dropout_p=dropout_p,
+        dropout_seed=seed,
         return_lse=True,
         deterministic=det,
     )
-    return _result(out_lse, probs)
+    if not probs:
+        return out
+    if seed is None:
+        return out, lse, None
+    s_dmask = q.new_zeros((cu_q.shape[0] - 1, q.shape[1], max_q, max_k))
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    with torch.no_grad():
+        for b in range(len(bounds_q) - 1):
+            qb, kb = q[None, bounds_q[b] : bounds_q[b + 1]], k[None, bounds_k[b] : bounds_k[b + 1]]
+            slopes = alibi[b : b + 1] if alibi is not None and alibi.dim() == 2 else alibi
+            part = _signed_probs(qb, kb, seed, dropout_p, scale, causal, window, softcap, slopes, b)
+            s_dmask[b, :, : qb.shape[1], : kb.shape[1]] = part[0]
+    return out, lse, s_dmask
 
 
 def flash_attn_varlen_func(

@@ -12,6 +12,7 @@ import torch
 
 import kp_core
 from kp_attention import backend as backends
+from kp_attention.ops import dropout
 from kp_attention.ops.attention import DTYPES, FLASH, FLASH_VARLEN, MAX_HEAD_DIM, Params, default_scale
 from kp_attention.ops.decode import KVCACHE, PAGE_MULTIPLE
 
@@ -61,6 +62,20 @@ def _check_alibi(op: str, alibi_slopes, batch: int, heads: int, q: torch.Tensor)
         )
 
 
+def _dropout_seed(op: str, dropout_p, dropout_seed, q: torch.Tensor) -> Optional[torch.Tensor]:
+    """The seed of this call's dropout (None without dropout): the one given, or one drawn from torch's generator."""
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{op}: dropout_p must be a number in [0, 1], got {dropout_p!r}")
+    if dropout_seed is not None:
+        kp_core.check_tensor(op, "dropout_seed", dropout_seed, dtypes=(torch.int64,))
+        kp_core.check_same_device(op, q=q, dropout_seed=dropout_seed)
+        if dropout_seed.numel() != 1:
+            raise ValueError(f"{op}: dropout_seed must hold one value, got shape {tuple(dropout_seed.shape)}")
+    if dropout_p == 0:
+        return None
+    return dropout.draw_seed(q.device) if dropout_seed is None else dropout_seed.reshape(1)
+
+
 def _check_options(op: str, causal, window, softcap, scale, d: int) -> Params:
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
@@ -90,6 +105,8 @@ def flash_attention(
     softcap: float = 0.0,
     scale: Optional[float] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
     backend: str = "kp",
@@ -103,6 +120,10 @@ def flash_attention(
     softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma-2), after scaling.
     alibi_slopes: fp32 (Hq,) or (B, Hq); the bias -slope * |i + Sk - Sq - j| is added to the score of query i and
     key j (after scale and softcap), as FlashAttention adds it.
+    dropout_p: each probability is dropped with this chance and the rest scaled by 1 / (1 - p), FlashAttention's
+    dropout, the same mask again in the backward (kp_attention.ops.dropout); it is drawn from dropout_seed, a
+    one-element int64 tensor on q's device, by default drawn from torch's generator for each call (so
+    torch.manual_seed reproduces it, and a captured CUDA graph draws anew on each replay).
     Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq) fp32: the natural-log
     logsumexp of the (scaled, softcapped) scores. lse is differentiable. Rows with no visible key (possible when
     Sq > Sk under causal/window masks) give out 0, lse -inf and zero gradients.
@@ -117,9 +138,11 @@ def flash_attention(
         raise ValueError(f"{op}: batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
     p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
     _check_alibi(op, alibi_slopes, q.shape[0], q.shape[2], q)
+    seed = _dropout_seed(op, dropout_p, dropout_seed, q)
 
     def run_kp(q, k, v):
-        return FLASH(q, k, v, None, alibi_slopes, p.scale, p.softcap, p.window_left, p.window_right, True)
+        args = (p.scale, p.softcap, p.window_left, p.window_right, True, float(dropout_p))
+        return FLASH(q, k, v, None, alibi_slopes, seed, *args)
 
     backend = kp_core.settings("attention_backend", backend=backend)["backend"]
     if backend != backends.KP:  # kp's kernel needs no look at the call (the default: no host cost added)
@@ -127,6 +150,7 @@ def flash_attention(
         refused = backends.torch_refuses(
             q, k, causal=causal, window=window, softcap=p.softcap, alibi=alibi_slopes, mask=None, lse=return_lse
         )
+        refused = refused or ("dropout (kp's mask is drawn its own way)" if seed is not None else None)
         run = lambda *t: run_kp(*t)[0]  # noqa: E731
         if backends.choose(op, backend, refused, q, k, v, causal, p.scale, run) == backends.TORCH:
             return backends.torch_attention(q, k, v, causal=causal, scale=p.scale)
@@ -148,6 +172,8 @@ def flash_attention_varlen(
     softcap: float = 0.0,
     scale: Optional[float] = None,
     alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -156,7 +182,8 @@ def flash_attention_varlen(
     Sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v;
     cu_seqlens_* are int32 of shape (batch + 1,), start at 0, are non-decreasing and end at total_*.
     max_seqlen_* must be >= the longest sequence. Masks, softcap, scale, ALiBi (alibi_slopes (Hq,) or
-    (batch, Hq)) and GQA as in flash_attention, per sequence (bottom-right aligned). lse has shape (Hq, total_q).
+    (batch, Hq)), dropout and GQA as in flash_attention, per sequence (bottom-right aligned; dropout numbers
+    sequence b as batch b). lse has shape (Hq, total_q).
     Checked on the host: dtypes, shapes and lengths always; the values of cu_seqlens (start, order, end,
     max_seqlen) in eager mode, which reads them back once (set kp_attention.ops.attention.VALIDATE_CU_SEQLENS = False
     to skip that sync).
@@ -178,6 +205,7 @@ def flash_attention_varlen(
             raise ValueError(f"{op}: {name} must be an int >= 0, got {val!r}")
     p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
     _check_alibi(op, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q)
+    seed = _dropout_seed(op, dropout_p, dropout_seed, q)
     out, lse = FLASH_VARLEN(
         q,
         k,
@@ -185,12 +213,14 @@ def flash_attention_varlen(
         cu_seqlens_q,
         cu_seqlens_k,
         alibi_slopes,
+        seed,
         max_seqlen_q,
         max_seqlen_k,
         p.scale,
         p.softcap,
         p.window_left,
         p.window_right,
+        float(dropout_p),
     )
     return (out, lse) if return_lse else out
 
@@ -213,8 +243,9 @@ def scaled_dot_product_attention(
 
     is_causal is top-left aligned as in torch (`ones(L, S).tril()`). attn_mask: boolean (True = attend) or an
     additive float mask, broadcastable to (..., L, S); it gets no gradient (an attn_mask that requires grad is an
-    error). Differences from torch: dropout_p > 0 is not supported (NotImplementedError); rows whose keys are all
-    masked give 0 (torch gives NaN). The usual (B, H, L, E) inputs are read in place (no copies) and give a
+    error). dropout_p > 0: FlashAttention's dropout of the probabilities (see flash_attention; torch draws its mask
+    differently, so the values differ from torch's for the same seed). Differences from torch: rows whose keys are
+    all masked give 0 (torch gives NaN). The usual (B, H, L, E) inputs are read in place (no copies) and give a
     (B, H, L, E) view of a (B, L, H, E)-contiguous tensor; broadcast batch dimensions that cannot be merged into
     one, and Ev != E (the shorter head dim is zero-padded), cost a copy.
     softcap (keyword only, not torch's): softcap * tanh(s / softcap) of the scaled scores before the mask is
@@ -240,10 +271,7 @@ def scaled_dot_product_attention(
     for name, dim in (("query/key", e), ("value", ev)):
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"{op}: head dim of {name} must be between 1 and {MAX_HEAD_DIM}, got {dim}")
-    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{op}: dropout_p must be a number in [0, 1], got {dropout_p!r}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(f"{op}: dropout_p > 0 is not supported (got {dropout_p}); apply dropout outside")
+    seed = _dropout_seed(op, dropout_p, None, query)
     if not isinstance(is_causal, bool):
         raise TypeError(f"{op}: is_causal must be a bool, got {type(is_causal).__name__}")
     if is_causal and attn_mask is not None:
@@ -277,7 +305,8 @@ def scaled_dot_product_attention(
     if ev < d:
         v = torch.nn.functional.pad(v, (0, d - ev))
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out = FLASH(qt, kt, vt, mask, None, scale, float(softcap), -1, 0 if is_causal else -1, False)[0]
+    args = (scale, float(softcap), -1, 0 if is_causal else -1, False, float(dropout_p))
+    out = FLASH(qt, kt, vt, mask, None, seed, *args)[0]
     out = out.transpose(1, 2)[..., :ev].reshape(*batch, hq, lq, ev)
     return out.squeeze(0) if two_d else out
 

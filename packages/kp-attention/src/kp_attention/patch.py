@@ -37,8 +37,7 @@ def kp_attention_forward(
     """
     from kp_attention import flash_attention, scaled_dot_product_attention
 
-    if dropout and module.training:
-        raise ValueError("kp attention: attention dropout is not supported; set the model's attention_dropout to 0")
+    dropout = dropout if module.training else 0.0  # transformers passes the config's rate; eval drops nothing
     softcap = kwargs.get("softcap") or 0.0
     window = kwargs.get("sliding_window")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # views: the kernels take any strides
@@ -49,11 +48,19 @@ def kp_attention_forward(
         left = window - 1 if window else -1
         backend = getattr(module.config, BACKEND_ATTR, "kp")
         out = flash_attention(
-            q, k, v, causal=causal, window=(left, 0 if causal else -1), softcap=softcap, scale=scaling, backend=backend
+            q,
+            k,
+            v,
+            causal=causal,
+            window=(left, 0 if causal else -1),
+            softcap=softcap,
+            scale=scaling,
+            dropout_p=dropout,
+            backend=backend,
         )
         return out, None
     out = scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True, softcap=softcap
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True, softcap=softcap
     )
     return out.transpose(1, 2), None
 

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 import kp_core
+from kp_attention.ops import dropout
 
 if kp_core.has_triton():
     from kp_attention.ops import attention_bwd_kernels as bwd_kernels
@@ -45,6 +46,7 @@ class Params:
     bottom_right: bool = True  # diagonal offset Sk - Sq (FlashAttention) or 0 (torch's is_causal)
     max_seqlen_q: int = 0  # varlen only
     max_seqlen_k: int = 0
+    dropout_p: float = 0.0  # with a seed tensor (kp_attention.ops.dropout)
 
 
 # Tile settings per kernel: (block_m, block_n, num_warps, num_stages). GPU values for fp16/bf16 were chosen so
@@ -150,6 +152,7 @@ def _switches(p: Params, d: int, varlen: bool, mask_kind: int, dtype: torch.dtyp
         HAS_RIGHT=p.window_right >= 0,
         SOFTCAP=p.softcap > 0,
         MASK_KIND=mask_kind,
+        DROPOUT=p.dropout_p > 0,
         IEEE=dtype == torch.float32,
     )
 
@@ -185,13 +188,13 @@ def _alibi_bias(alibi: torch.Tensor, sq: int, sk: int, bottom_right: bool) -> to
     return -slopes * dist
 
 
-def _reference_dense(q, k, v, mask, alibi, p: Params):
-    """(out, lse) for (B, S, H, D) tensors, in fp32 from the formula; fully masked rows give 0 and -inf."""
+def _exp_scores(q, k, mask, alibi, p: Params):
+    """(e, m), fp32 (B, Hq, Sq, Sk) and (B, Hq, Sq, 1), of (B, S, H, D) q and k: m is each row's largest score
+    (0 for a row with no visible key) and e = exp(s - m), 0 where masked."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    qf, kf = (t.float().transpose(1, 2) for t in (q, k))
     kf = kf.repeat_interleave(hq // hkv, dim=1)
-    vf = vf.repeat_interleave(hq // hkv, dim=1)
     s = (qf @ kf.transpose(-1, -2)) * p.scale
     if p.softcap > 0:
         s = p.softcap * torch.tanh(s / p.softcap)
@@ -210,34 +213,62 @@ def _reference_dense(q, k, v, mask, alibi, p: Params):
     s = s.masked_fill(~allowed, float("-inf"))
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m)
+    return torch.exp(s - m), m
+
+
+def _reference_dense(q, k, v, mask, alibi, keep, p: Params):
+    """(out, lse) for (B, S, H, D) tensors, in fp32 from the formula; fully masked rows give 0 and -inf. keep:
+    dropout's (B, H, Sq, Sk) mask, or None."""
+    e, m = _exp_scores(q, k, mask, alibi, p)
+    vf = v.float().transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
     denom = e.sum(-1, keepdim=True)
     has = denom > 0
     denom_safe = torch.where(has, denom, torch.ones_like(denom))
-    out = (e / denom_safe) @ vf
+    probs = e / denom_safe
+    if keep is not None:
+        probs = probs * keep * dropout.keep_scale(p.dropout_p)
+    out = probs @ vf
     lse = torch.where(has, torch.log(denom_safe) + m, torch.full_like(m, float("-inf")))
     return out.transpose(1, 2).to(q.dtype), lse.squeeze(-1)
 
 
-def _reference_forward(q, k, v, mask, alibi, cu_q, cu_k, p: Params):
+def signed_exp_scores(q, k, alibi, seed, first_batch: int, p: Params) -> torch.Tensor:
+    """FlashAttention's S_dmask for (B, S, H, D) q and k: exp(s - row max), fp32 (B, Hq, Sq, Sk), negative where
+    dropout dropped the probability (batches numbered from first_batch for dropout: a packed sequence's index)."""
+    e, _ = _exp_scores(q, k, None, alibi, p)
+    keep = _keep(seed, range(first_batch, first_batch + q.shape[0]), q.shape[2], q.shape[1], k.shape[1], p)
+    return e if keep is None else torch.where(keep, e, -e)
+
+
+def _keep(seed, batches: range, heads: int, sq: int, sk: int, p: Params):
+    """dropout's mask of these batches (or sequences), (len, heads, sq, sk); None without dropout."""
+    if p.dropout_p == 0:
+        return None
+    bh = torch.arange(batches.start * heads, batches.stop * heads, device=seed.device)
+    return dropout.keep_mask(seed, bh, sq, sk, p.dropout_p).view(len(batches), heads, sq, sk)
+
+
+def _reference_forward(q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
     if cu_q is None:
-        return _reference_dense(q, k, v, mask, alibi, p)
+        keep = _keep(seed, range(q.shape[0]), q.shape[2], q.shape[1], k.shape[1], p)
+        return _reference_dense(q, k, v, mask, alibi, keep, p)
     outs, lses = [], []
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     for i in range(len(bounds_q) - 1):
         sl_q = slice(bounds_q[i], bounds_q[i + 1])
         sl_k = slice(bounds_k[i], bounds_k[i + 1])
         slopes = alibi[i] if alibi is not None and alibi.dim() == 2 else alibi
-        o, lse = _reference_dense(q[None, sl_q], k[None, sl_k], v[None, sl_k], None, slopes, p)
+        keep = _keep(seed, range(i, i + 1), q.shape[1], sl_q.stop - sl_q.start, sl_k.stop - sl_k.start, p)
+        o, lse = _reference_dense(q[None, sl_q], k[None, sl_k], v[None, sl_k], None, slopes, keep, p)
         outs.append(o[0])
         lses.append(lse[0])
     return torch.cat(outs, 0), torch.cat(lses, 1) if lses else _lse_empty(q, 0, q.shape[1], 0, True)
 
 
-def _reference_backward(dout, dlse, q, k, v, mask, alibi, cu_q, cu_k, p: Params):
+def _reference_backward(dout, dlse, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, lse = _reference_forward(*leaves, mask, alibi, cu_q, cu_k, p)
+        out, lse = _reference_forward(*leaves, mask, alibi, seed, cu_q, cu_k, p)
         outputs, grads = [out], [dout]
         if dlse is not None:
             outputs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
@@ -256,9 +287,20 @@ def _check_devices(op: str, q, **others) -> None:
             kp_core.check_same_device(op, q=q, **{name: t})
 
 
-def _forward(op, q, k, v, mask, alibi, cu_q, cu_k, p: Params):
+def _check_dropout(op: str, seed, p: Params) -> None:
+    """The ops are public: dropout needs its seed, and p in [0, 1]."""
+    if not 0.0 <= p.dropout_p <= 1.0:
+        raise ValueError(f"{op}: dropout_p must lie in [0, 1], got {p.dropout_p}")
+    if p.dropout_p > 0 and (seed is None or seed.dtype != torch.int64 or seed.numel() != 1):
+        raise ValueError(f"{op}: dropout_p > 0 needs dropout_seed, a one-element int64 tensor, got {seed!r}")
+
+
+def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
     """(out, lse): out like q (contiguous, q's layout), lse fp32 (B, Hq, Sq), or (Hq, total_q) when packed."""
-    _check_devices(op, q, k=k, v=v, attn_mask=mask, alibi_slopes=alibi, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    _check_dropout(op, seed, p)
+    _check_devices(
+        op, q, k=k, v=v, attn_mask=mask, alibi_slopes=alibi, dropout_seed=seed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k
+    )
     b, sq, sk, hq, hkv, d, varlen = _structure(p, q, k, cu_q)
     if varlen and VALIDATE_CU_SEQLENS and not torch.compiler.is_compiling():
         check_cu_seqlens(op, cu_q, cu_k, q.shape[0], k.shape[0], p)
@@ -267,7 +309,7 @@ def _forward(op, q, k, v, mask, alibi, cu_q, cu_k, p: Params):
     backend = kp_core.choose_backend(op, q)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
-        out, lse = _reference_forward(q, k, v, mask, alibi, cu_q, cu_k, p)
+        out, lse = _reference_forward(q, k, v, mask, alibi, seed, cu_q, cu_k, p)
         return out.contiguous(), lse.contiguous()
     out = q.new_empty(q.shape)
     lse = _lse_empty(q, b, hq, sq, varlen)
@@ -280,6 +322,7 @@ def _forward(op, q, k, v, mask, alibi, cu_q, cu_k, p: Params):
         out,
         lse,
         lse if m is None else m,
+        lse if seed is None else seed,
         cu_q if varlen else lse,
         cu_k if varlen else lse,
         *_bshd(q, varlen),
@@ -294,6 +337,7 @@ def _forward(op, q, k, v, mask, alibi, cu_q, cu_k, p: Params):
         *_score_args(p, q.dtype),
         p.window_left,
         p.window_right,
+        *_dropout_args(p),
     )
     grid = (kp_core.cdiv(sq, tiles["block_m"]), hq, b)
     kp_core.launch(
@@ -309,7 +353,11 @@ def _forward(op, q, k, v, mask, alibi, cu_q, cu_k, p: Params):
     return out, lse
 
 
-def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, cu_q, cu_k, p: Params):
+def _dropout_args(p: Params) -> tuple[int, float]:
+    return dropout.threshold(p.dropout_p), dropout.keep_scale(p.dropout_p)
+
+
+def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, p: Params):
     """(dq, dk, dv), each contiguous in its input's layout. dlse (may be None) is the gradient that reached lse."""
     b, sq, sk, hq, hkv, d, varlen = _structure(p, q, k, cu_q)
     if q.numel() == 0 or k.numel() == 0 or b == 0 or sq == 0 or sk == 0:
@@ -319,7 +367,8 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, cu_q, cu_k, p: Par
     backend = kp_core.choose_backend(op, q)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
-        return tuple(g.contiguous() for g in _reference_backward(dout, dlse, q, k, v, mask, alibi, cu_q, cu_k, p))
+        grads = _reference_backward(dout, dlse, q, k, v, mask, alibi, seed, cu_q, cu_k, p)
+        return tuple(g.contiguous() for g in grads)
     if dlse is not None:  # the kernels read dlse in lse's layout
         dlse = dlse.to(torch.float32).contiguous()
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -361,7 +410,8 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, cu_q, cu_k, p: Par
     )
     m, m_strides, mask_kind = _mask_args(mask, alibi, b, hq, sq, sk, q.dtype)
     m = lse if m is None else m
-    scalars = (sq, sk, hq // hkv, p.scale, *_score_args(p, q.dtype), p.window_left, p.window_right)
+    scalars = (sq, sk, hq // hkv, p.scale, *_score_args(p, q.dtype), p.window_left, p.window_right, *_dropout_args(p))
+    seed = lse if seed is None else seed
     strides_qkv = (*_bshd(q, varlen), *_bshd(k, varlen), *_bshd(v, varlen), *_bshd(dout, varlen))
 
     def launch_dkdv():
@@ -379,6 +429,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, cu_q, cu_k, p: Par
                 lse_fix,
                 delta,
                 m,
+                seed,
                 dk,
                 dv,
                 cu_qa,
@@ -411,6 +462,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, cu_q, cu_k, p: Par
                 delta,
                 lse_fix,
                 m,
+                seed,
                 dq,
                 cu_qa,
                 cu_ka,
@@ -440,16 +492,19 @@ def forward(
     v: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     alibi_slopes: Optional[torch.Tensor],
+    dropout_seed: Optional[torch.Tensor],
     scale: float,
     softcap: float,
     window_left: int,
     window_right: int,
     bottom_right: bool,
+    dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), lse (B, Hq, Sq); attn_mask broadcasts to (B, Hq, Sq, Sk);
-    alibi_slopes fp32 (Hq,) or (B, Hq), not with attn_mask."""
-    p = Params(scale, softcap, window_left, window_right, bottom_right)
-    return _forward(OP, q, k, v, attn_mask, alibi_slopes, None, None, p)
+    alibi_slopes fp32 (Hq,) or (B, Hq), not with attn_mask; dropout_p > 0 with dropout_seed (int64 (1,),
+    kp_attention.ops.dropout.draw_seed)."""
+    p = Params(scale, softcap, window_left, window_right, bottom_right, dropout_p=dropout_p)
+    return _forward(OP, q, k, v, attn_mask, alibi_slopes, dropout_seed, None, None, p)
 
 
 def backward(
@@ -462,14 +517,16 @@ def backward(
     lse: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     alibi_slopes: Optional[torch.Tensor],
+    dropout_seed: Optional[torch.Tensor],
     scale: float,
     softcap: float,
     window_left: int,
     window_right: int,
     bottom_right: bool,
+    dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    p = Params(scale, softcap, window_left, window_right, bottom_right)
-    return _backward(OP_BWD, dout, dlse, q, k, v, out, lse, attn_mask, alibi_slopes, None, None, p)
+    p = Params(scale, softcap, window_left, window_right, bottom_right, dropout_p=dropout_p)
+    return _backward(OP_BWD, dout, dlse, q, k, v, out, lse, attn_mask, alibi_slopes, dropout_seed, None, None, p)
 
 
 def forward_varlen(
@@ -479,17 +536,19 @@ def forward_varlen(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     alibi_slopes: Optional[torch.Tensor],
+    dropout_seed: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
     softcap: float,
     window_left: int,
     window_right: int,
+    dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): packed q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q); alibi_slopes fp32 (Hq,)
-    or (batch, Hq)."""
-    p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k)
-    return _forward(OP_VARLEN, q, k, v, None, alibi_slopes, cu_seqlens_q, cu_seqlens_k, p)
+    or (batch, Hq); dropout as in forward (sequence b numbered as batch b)."""
+    p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k, dropout_p)
+    return _forward(OP_VARLEN, q, k, v, None, alibi_slopes, dropout_seed, cu_seqlens_q, cu_seqlens_k, p)
 
 
 def backward_varlen(
@@ -503,26 +562,29 @@ def backward_varlen(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     alibi_slopes: Optional[torch.Tensor],
+    dropout_seed: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
     softcap: float,
     window_left: int,
     window_right: int,
+    dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k)
-    return _backward(OP_VARLEN_BWD, dout, dlse, q, k, v, out, lse, None, alibi_slopes, cu_seqlens_q, cu_seqlens_k, p)
+    p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k, dropout_p)
+    cu = (cu_seqlens_q, cu_seqlens_k)
+    return _backward(OP_VARLEN_BWD, dout, dlse, q, k, v, out, lse, None, alibi_slopes, dropout_seed, *cu, p)
 
 
 def _like(*tensors) -> tuple:
     return tuple(t.new_empty(t.shape) for t in tensors)
 
 
-def _forward_fake(q, k, v, attn_mask, alibi_slopes, scale, softcap, window_left, window_right, bottom_right):
+def _forward_fake(q, k, v, *rest):
     return q.new_empty(q.shape), _lse_empty(q, q.shape[0], q.shape[2], q.shape[1], False)
 
 
-def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, *rest):
+def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, *rest):
     return q.new_empty(q.shape), _lse_empty(q, cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, True)
 
 
@@ -532,7 +594,7 @@ FLASH = kp_core.op(
     _forward_fake,
     backward=backward,
     backward_fake=lambda dout, dlse, q, k, v, *rest: _like(q, k, v),
-    save=lambda args, outputs: (*args[:3], *outputs, *args[3:5]),  # q, k, v, out, lse, attn_mask, alibi_slopes
+    save=lambda args, outputs: (*args[:3], *outputs, *args[3:6]),  # q, k, v, out, lse, mask, alibi, dropout seed
     grad_inputs=("q", "k", "v"),
     package=PACKAGE,
     spec=SPEC,
@@ -545,7 +607,7 @@ FLASH_VARLEN = kp_core.op(
     _forward_varlen_fake,
     backward=backward_varlen,
     backward_fake=lambda dout, dlse, q, k, v, *rest: _like(q, k, v),
-    save=lambda args, outputs: (*args[:3], *outputs, *args[3:6]),  # q, k, v, out, lse, cu_seqlens_q/k, alibi
+    save=lambda args, outputs: (*args[:3], *outputs, *args[3:7]),  # q, k, v, out, lse, cu_seqlens_q/k, alibi, seed
     grad_inputs=("q", "k", "v"),
     package=PACKAGE,
     spec=SPEC,

@@ -10,6 +10,8 @@ Per query row i of one (batch, q head) and key j of its kv head (GQA: kv head = 
     lse_i = log(sum_j exp(s_ij)),   o_i = sum_j exp(s_ij - lse_i) v_j
 diag = Sk - Sq (bottom-right causal alignment, FlashAttention >= 2.1) or 0 (top-left, torch's is_causal).
 Rows with every key masked give o = 0 and lse = -inf, and zero gradients.
+Dropout (kp_attention.ops.dropout): o_i = sum_j exp(s_ij - lse_i) keep_ij / (1 - p) v_j; the backward uses
+dP_ij = keep_ij / (1 - p) dO_i . v_j in dS = P (dP - delta), delta_i = dO_i . o_i still.
 
 Scores are kept in base 2 (log2(e) folded into the scale) so the softmax uses exp2; fp32 inputs keep natural
 units (see score_exp). Accumulators are fp32; the fp32 path sums each block's dot in fp64 (dot, Triton >= 3.5).
@@ -169,6 +171,19 @@ def apply_mask(s2, M_base, rows, cols, smq, smk, seqlen_q, seqlen_k, diag, MASK_
         else:
             s2 = s2 + score_units(m.to(tl.float32), IEEE)
     return s2
+
+
+@triton.jit
+def dropout_keep(seed, bh, rows, cols, threshold):
+    """Which (query row, key) pairs of tile (rows, cols broadcast to 2-D) dropout keeps, for (batch, q head) bh =
+    b * Hq + h: Philox-4x32-10 under `seed`, counter (key, row, bh, 0), the first word's top 24 bits >= threshold
+    (kp_attention.ops.dropout, where keep_mask draws the same in PyTorch)."""
+    zero = (rows + cols) * 0
+    c0 = (cols + zero).to(tl.uint32)
+    c1 = (rows + zero).to(tl.uint32)
+    c2 = (zero + bh).to(tl.uint32)
+    word, _, _, _ = tl.philox(seed, c0, c1, c2, zero.to(tl.uint32))
+    return (word >> 8).to(tl.int32) >= threshold
 
 
 @triton.jit

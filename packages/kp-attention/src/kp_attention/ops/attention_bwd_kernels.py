@@ -6,6 +6,7 @@ FlashAttention-2 / Triton tutorial split:
     dS_ij   = P_ij (dO_i . v_j - delta_i) * tanh'             (recomputed from lse)
     dK, dV: one program per key block and kv head loops over the group's q heads and query blocks (_attn_bwd_dkdv)
     dQ:     one program per query block and q head loops over key blocks (_attn_bwd_dq)
+Dropout: both kernels draw the forward's mask again (attention_blocks.dropout_keep) and scale dP by it.
 
 The launchers, the PyTorch reference and the op declarations are in kp_attention.ops.attention; the forward kernel
 is in kp_attention.ops.attention_fwd_kernels; the conformance spec is conformance/specs/test_attention.py.
@@ -18,6 +19,7 @@ from kp_attention.ops.attention_blocks import (
     allowed,
     apply_mask,
     dot,
+    dropout_keep,
     kv_range,
     load1d,
     load2d,
@@ -95,6 +97,7 @@ def _attn_bwd_dkdv(
     LSE,
     DELTA,
     MASK,
+    SEED,
     DK,
     DV,
     CU_Q,
@@ -138,6 +141,8 @@ def _attn_bwd_dkdv(
     sc_out,
     window_left,
     window_right,
+    drop_threshold,
+    drop_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -149,6 +154,7 @@ def _attn_bwd_dkdv(
     HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     MASK_KIND: tl.constexpr,
+    DROPOUT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Grid (key blocks, kv heads, batch): dK, dV of one key block summed over the group's q heads."""
@@ -182,6 +188,8 @@ def _attn_bwd_dkdv(
         mask=kv_mask,
         other=0.0,
     )
+    if DROPOUT:
+        seed = tl.load(SEED)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = q_range(
@@ -194,6 +202,7 @@ def _attn_bwd_dkdv(
         L_base = LSE + b64 * slb + h64 * slh + q_start
         D_base = DELTA + b64 * slb + h64 * slh + q_start
         M_base = MASK + b64 * smb + h64 * smh
+        bh = b64 * tl.num_programs(1) * group + h64  # (batch, q head), as the forward numbers it for dropout
         for REGION in tl.static_range(3):
             start, end = region(REGION, lo, mid_lo, mid_hi, hi)
             for start_m in range(start, end, BLOCK_M):
@@ -218,13 +227,19 @@ def _attn_bwd_dkdv(
                     s2T = tl.where(ok, s2T, float("-inf"))
                 pT = score_exp(s2T - lse2[None, :], IEEE)
                 do = load2d(DO_base + rows[:, None] * sds + offs_d[None, :] * sdd, q_ok, d_ok, REGION != 0, PAD_D)
-                dv = dot(pT.to(do.dtype), do, dv, IEEE)
+                if DROPOUT:  # dV takes the dropped probabilities, dP the same mask and scale
+                    keepT = dropout_keep(seed, bh, rows[None, :], keys, drop_threshold)
+                    dv = dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, dv, IEEE)
+                else:
+                    dv = dot(pT.to(do.dtype), do, dv, IEEE)
                 delta = load1d(D_base + rows, q_ok, REGION != 0)
                 # dP formed as _attn_bwd_dq forms it, so delta (its row sums there) cancels it to the same rounding
                 if IEEE:
                     dpT = tl.trans(mm(do, tl.trans(v), IEEE))
                 else:
                     dpT = dot(v, tl.trans(do), tl.zeros([k.shape[0], qT.shape[1]], dtype=tl.float32), IEEE)
+                if DROPOUT:
+                    dpT = tl.where(keepT, dpT * drop_scale, 0.0)
                 dsT = (pT * (dpT - delta[None, :])).to(tl.float32)  # fp64 dP and delta on the fp32 path
                 if SOFTCAP:
                     dsT = dsT * (1.0 - thT * thT)
@@ -252,6 +267,7 @@ def _attn_bwd_dq(
     DELTA,
     LSE_FIX,
     MASK,
+    SEED,
     DQ,
     CU_Q,
     CU_K,
@@ -290,6 +306,8 @@ def _attn_bwd_dq(
     sc_out,
     window_left,
     window_right,
+    drop_threshold,
+    drop_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -301,6 +319,7 @@ def _attn_bwd_dq(
     HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     MASK_KIND: tl.constexpr,
+    DROPOUT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Grid (query blocks, q heads, batch), longest rows first as in the forward.
@@ -338,6 +357,9 @@ def _attn_bwd_dq(
     K_base = K + b64 * skb + k_start * sks + kvh64 * skh
     V_base = V + b64 * svb + k_start * svs + kvh64 * svh
     M_base = MASK + b64 * smb + h64 * smh
+    if DROPOUT:
+        seed = tl.load(SEED)
+        bh = b64 * tl.num_programs(1) + h64
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if IEEE:
         dsum = tl.zeros([BLOCK_M], dtype=tl.float64)
@@ -379,6 +401,8 @@ def _attn_bwd_dq(
                     s2 = tl.where(ok, s2, float("-inf"))
                 p = score_exp(s2 - lse2[:, None], IEEE)
                 dp = mm(do, vT, IEEE)
+                if DROPOUT:
+                    dp = tl.where(dropout_keep(seed, bh, rows, cols[None, :], drop_threshold), dp * drop_scale, 0.0)
                 if PASS == 0:
                     dsum = dsum + tl.sum(p * dp, 1)
                     psum = psum + tl.sum(p.to(tl.float64), 1)

@@ -15,6 +15,7 @@ from kp_attention.ops.attention_blocks import (
     allowed,
     apply_mask,
     dot,
+    dropout_keep,
     kv_range,
     load2d,
     mm,
@@ -34,6 +35,7 @@ def _attn_fwd(
     Out,
     LSE,
     MASK,
+    SEED,
     CU_Q,
     CU_K,
     sqb,
@@ -66,6 +68,8 @@ def _attn_fwd(
     sc_out,
     window_left,
     window_right,
+    drop_threshold,
+    drop_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -77,6 +81,7 @@ def _attn_fwd(
     HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     MASK_KIND: tl.constexpr,
+    DROPOUT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Grid (query blocks, q heads, batch). Query blocks run last-first: under a causal mask the longest
@@ -87,7 +92,7 @@ def _attn_fwd(
     sum l only, then PASS 1 accumulates (exp(s - m) / l) @ v, the normalised probabilities PyTorch's
     softmax-then-matmul forms (the one-pass deferred normalisation costs fp32 ulps the 2x rule does not allow, and
     exp(s - lse) would carry lse's rounding, an ulp of a large lse, into every p). Twice the score work, on the
-    correctness path only."""
+    correctness path only. DROPOUT zeroes the dropped p before p @ v (l sums them all) and scales o by 1 / (1 - p)."""
     b64, h64, kvh64, q_start, k_start, seqlen_q, seqlen_k, m0, diag = query_program(
         CU_Q, CU_K, seqlen_q, seqlen_k, group, BLOCK_M, VARLEN, BOTTOM_RIGHT
     )
@@ -102,6 +107,9 @@ def _attn_fwd(
     K_base = K + b64 * skb + k_start * sks + kvh64 * skh
     V_base = V + b64 * svb + k_start * svs + kvh64 * svh
     M_base = MASK + b64 * smb + h64 * smh
+    if DROPOUT:
+        seed = tl.load(SEED)
+        bh = b64 * tl.num_programs(1) + h64
     q_mask = (offs_m < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(Q_base + offs_m[:, None] * sqs + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
 
@@ -148,6 +156,8 @@ def _attn_fwd(
                         acc = acc * alpha[:, None]
                     m_i = m_new
                 if PASS == 1:
+                    if DROPOUT:
+                        p = tl.where(dropout_keep(seed, bh, rows, cols[None, :], drop_threshold), p, 0.0)
                     v = load2d(V_base + cols[:, None] * svs + offs_d[None, :] * svd, kv_ok, d_ok, REGION != 0, PAD_D)
                     acc = dot(p.to(v.dtype), v, acc, IEEE)
     if IEEE:
@@ -157,6 +167,8 @@ def _attn_fwd(
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    if DROPOUT:
+        out = out * drop_scale
     O_base = Out + b64 * sob + q_start * sos + h64 * soh
     tl.store(O_base + offs_m[:, None] * sos + offs_d[None, :] * sod, out.to(Out.dtype.element_ty), mask=q_mask)
     tl.store(LSE + b64 * slb + h64 * slh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
