@@ -353,6 +353,16 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
     return out, lse
 
 
+# fp16/bf16 head dims up to this take delta = sum_j P_ij dP_ij from a first pass of the dQ kernel (EXACT_DELTA in
+# attention_bwd_kernels._attn_bwd_dq), where rowsum(dO * O) of the rounded O was 5-10x torch's dq error with large
+# logits (PyTorch's op tests: head dim 8, values in [-9, 9]); small head dims make that pass cheap.
+EXACT_DELTA_MAX_HEAD_DIM = 32
+
+
+def _exact_delta(dtype: torch.dtype, d: int) -> bool:
+    return dtype != torch.float32 and d <= EXACT_DELTA_MAX_HEAD_DIM
+
+
 def _dropout_args(p: Params) -> tuple[int, float]:
     return dropout.threshold(p.dropout_p), dropout.keep_scale(p.dropout_p)
 
@@ -374,6 +384,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     lse = lse.contiguous()
     ieee = q.dtype == torch.float32
+    exact = _exact_delta(q.dtype, d)
     # the fp32 path's delta is subtracted from fp64 dP (attention_bwd_kernels._attn_bwd_dq): kept in fp64
     delta = torch.empty_like(lse, dtype=torch.float64 if ieee else torch.float32)
     # and its lse, corrected by _attn_bwd_dq so each row's P sums to 1 (the dK/dV kernel reads that one)
@@ -404,7 +415,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
             BLOCK_D=block_d,
             VARLEN=varlen,
             HAS_DLSE=dlse is not None,
-            ROWSUM=not ieee,
+            ROWSUM=not (ieee or exact),
         ),
         pre["num_warps"],
     )
@@ -472,13 +483,14 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
                 *m_strides,
                 *scalars,
             ),
-            _switches(p, d, varlen, mask_kind, q.dtype, tiles),
+            {**_switches(p, d, varlen, mask_kind, q.dtype, tiles), "EXACT_DELTA": exact},
             tiles["num_warps"],
             tiles["num_stages"],
         )
 
-    # The fp32 path's dQ kernel computes delta (sum_j P_ij dP_ij) for the dK/dV kernel: it goes first there.
-    for launch in (launch_dq, launch_dkdv) if ieee else (launch_dkdv, launch_dq):
+    # The dQ kernel computes delta (sum_j P_ij dP_ij) for the dK/dV kernel on the fp32 and exact-delta paths: it goes
+    # first there.
+    for launch in (launch_dq, launch_dkdv) if ieee or exact else (launch_dkdv, launch_dq):
         launch()
     return dq, dk, dv
 

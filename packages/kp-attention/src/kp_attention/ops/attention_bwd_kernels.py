@@ -321,13 +321,18 @@ def _attn_bwd_dq(
     MASK_KIND: tl.constexpr,
     DROPOUT: tl.constexpr,
     IEEE: tl.constexpr,
+    EXACT_DELTA: tl.constexpr,
 ):
     """Grid (query blocks, q heads, batch), longest rows first as in the forward.
 
     fp16/bf16 make one pass over the key blocks (PASS 1), accumulating dQ. fp32 (IEEE) first makes PASS 0, which
     only sums dsum = sum_j P_ij dP_ij and psum = sum_j P_ij (fp64), for PyTorch's delta sum_j P_ij dP_ij, here over
     sum_j P_ij: P = exp(s - lse) sums to 1 only within ulps of the fp32 lse, and dP - delta cancels, amplifying any
-    such residue. A row with one visible key gets P = 1 and dS = 0 exactly, as in PyTorch."""
+    such residue. A row with one visible key gets P = 1 and dS = 0 exactly, as in PyTorch.
+
+    EXACT_DELTA (fp16/bf16, small head dims: attention._exact_delta) makes PASS 0 too, in fp32: rowsum(dO * O) from
+    the rounded O is off by |dO| |O| ulps of O, which a near one-hot row (large logits) turns into all of its dS,
+    where sum_j P_ij dP_ij is exact to fp32."""
     b64, h64, kvh64, q_start, k_start, seqlen_q, seqlen_k, m0, diag = query_program(
         CU_Q, CU_K, seqlen_q, seqlen_k, group, BLOCK_M, VARLEN, BOTTOM_RIGHT
     )
@@ -369,15 +374,18 @@ def _attn_bwd_dq(
     lo, mid_lo, mid_hi, hi = kv_range(
         m0, seqlen_q, seqlen_k, diag, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
     )
-    for PASS in tl.static_range(0 if IEEE else 1, 2):
+    for PASS in tl.static_range(0 if IEEE or EXACT_DELTA else 1, 2):
         if IEEE:
             if PASS == 0:
                 lse2 = lse2.to(tl.float64)
-            else:
-                # delta = sum_j P_ij dP_ij / sum_j P_ij (minus dlse, already in DELTA, fp64 there), for this kernel
-                # and _attn_bwd_dkdv
+        if IEEE or EXACT_DELTA:
+            if PASS == 1:
+                # delta = sum_j P_ij dP_ij / sum_j P_ij (minus dlse, already in DELTA; fp64 on the fp32 path), for
+                # this kernel and _attn_bwd_dkdv
                 delta = delta + tl.where(psum > 0, dsum / tl.where(psum > 0, psum, 1.0), 0.0)
                 tl.store(DELTA + row, delta, mask=row_ok)
+        if IEEE:
+            if PASS == 1:
                 # The fp32 lse is only good to half an ulp (1e-6 at lse 20), and a row whose top key dominates takes
                 # that whole error into P = exp(s - lse), beyond the 2x rule in dV. lse + log(sum_j P_ij), in fp64,
                 # makes the row sum to 1 in pass 1 and in _attn_bwd_dkdv (which reads it from LSE_FIX).
@@ -405,7 +413,7 @@ def _attn_bwd_dq(
                     dp = tl.where(dropout_keep(seed, bh, rows, cols[None, :], drop_threshold), dp * drop_scale, 0.0)
                 if PASS == 0:
                     dsum = dsum + tl.sum(p * dp, 1)
-                    psum = psum + tl.sum(p.to(tl.float64), 1)
+                    psum = psum + tl.sum(p.to(psum.dtype), 1)  # fp64 on the fp32 path
                 else:
                     ds = (p * (dp - delta[:, None])).to(tl.float32)  # fp64 dP and delta on the fp32 path
                     if SOFTCAP:
