@@ -5,8 +5,8 @@
 
 q length 1, Hq 32 / Hkv 8, D 128, bf16. GB/s count the K and V bytes read (what bounds decoding). kp reads the
 cache in its (B, S, H, D) layout; SDPA gets (B, H, S, D) transposed views of the same tensors. kp is timed with
-its default value check of cache_seqlens (one device sync a call) and without it (VALIDATE_VALUES = False, what a
-serving loop that guarantees the lengths sets; the kernels stay in bounds either way). The paged columns read the same
+its default value check of cache_seqlens (on the device, its flag copied back without blocking) and without it
+(VALIDATE_VALUES = False; the kernels stay in bounds either way). The paged columns read the same
 cache split into pages of 256 and 16 slots in shuffled order through a block_table.
 """
 

@@ -328,10 +328,7 @@ BAD_INPUTS = [
     ("seqlens int64", lambda: fa(Q, KC, KC, _i(3, 4, dtype=torch.int64)), TypeError, "cache_seqlens"),
     ("seqlens shape", lambda: fa(Q, KC, KC, _i(3)), ValueError, "cache_seqlens"),
     ("seqlens float", lambda: fa(Q, KC, KC, 2.0), TypeError, "cache_seqlens"),
-    ("seqlens negative", lambda: fa(Q, KC, KC, _i(-1, 4)), ValueError, "cache_seqlens"),
-    ("seqlens past capacity", lambda: fa(Q, KC, KC, _i(3, 17)), ValueError, "cache_seqlens"),
     ("int seqlens past capacity", lambda: fa(Q, KC, KC, 17), ValueError, "cache_seqlens"),
-    ("new k overflows", lambda: fa(Q, KC, KC, _i(3, 15), k=_t(2, 2, 2, 8), v=_t(2, 2, 2, 8)), ValueError, "exceed"),
     ("k without v", lambda: fa(Q, KC, KC, SL, k=_t(2, 1, 2, 8)), ValueError, "k and v"),
     ("new k shape", lambda: fa(Q, KC, KC, SL, k=_t(2, 1, 1, 8), v=_t(2, 1, 1, 8)), ValueError, "k must"),
     ("new v shape", lambda: fa(Q, KC, KC, SL, k=_t(2, 1, 2, 8), v=_t(2, 2, 2, 8)), ValueError, "v must"),
@@ -340,8 +337,6 @@ BAD_INPUTS = [
     ("block_table ndim", lambda: fa(Q, PK, PK, SL, block_table=_i(0, 1)), ValueError, "block_table"),
     ("block_table batch", lambda: fa(Q, PK, PK, SL, block_table=_i([0, 1])), ValueError, "block_table"),
     ("block_size not x16", lambda: fa(Q, _t(5, 8, 2, 8), _t(5, 8, 2, 8), SL, block_table=BT), ValueError, "block_size"),
-    ("block id out of range", lambda: fa(Q, PK, PK, SL, block_table=_i([0, 1], [5, 3])), ValueError, "block_table"),
-    ("paged past capacity", lambda: fa(Q, PK, PK, _i(3, 33), block_table=BT), ValueError, "cache_seqlens"),
     ("bad window", lambda: fa(Q, KC, KC, SL, window=(-2, 0)), ValueError, "window"),
     ("window not a pair", lambda: fa(Q, KC, KC, SL, window=3), TypeError, "window"),
     ("negative softcap", lambda: fa(Q, KC, KC, SL, softcap=-1.0), ValueError, "softcap"),
@@ -353,6 +348,40 @@ BAD_INPUTS = [
 def test_bad_input(what, call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+BAD_VALUES = [  # values only the device sees: (what, call, the words of the "sync" mode's error)
+    ("seqlens negative", lambda: fa(Q, KC, KC, _i(-1, 4)), "cache_seqlens"),
+    ("seqlens past capacity", lambda: fa(Q, KC, KC, _i(3, 17)), "cache_seqlens"),
+    ("new k overflows", lambda: fa(Q, KC, KC, _i(3, 15), k=_t(2, 2, 2, 8), v=_t(2, 2, 2, 8)), "exceed"),
+    ("block id out of range", lambda: fa(Q, PK, PK, SL, block_table=_i([0, 1], [5, 3])), "block_table"),
+    ("paged past capacity", lambda: fa(Q, PK, PK, _i(3, 33), block_table=BT), "cache_seqlens"),
+]
+
+
+@pytest.mark.parametrize("what,call,words", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_values_raise_at_once_in_sync_mode(what, call, words, monkeypatch):
+    monkeypatch.setattr(decode, "VALIDATE_VALUES", "sync")
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+@pytest.mark.parametrize("what,call,words", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_values_are_reported_later_without_a_sync(what, call, words):
+    """By default the call does not read the values back: the kernel flags them, check_inputs() (or a later call,
+    once the flag's copy has landed) raises, and the flag is cleared."""
+    decode.check_inputs(torch.device(DEVICE))  # nothing pending from earlier tests
+    with kp_core.record_launches() as rec:
+        call()  # no error here: the host never waited for the values
+    assert rec.backends(OP) == {KERNEL}
+    with pytest.raises(ValueError, match="earlier call had cache_seqlens"):
+        decode.check_inputs(torch.device(DEVICE))
+    decode.check_inputs(torch.device(DEVICE))  # reported once, then cleared
+    call()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="earlier call"):  # the next call reports it, its copy having landed
+        fa(Q, KC, KC, SL)
 
 
 def test_registered():

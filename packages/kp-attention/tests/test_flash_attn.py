@@ -9,6 +9,7 @@ import torch
 import kp_attention
 import kp_attention.flash_attn as fa
 import kp_core
+from kp_attention.ops import decode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16
@@ -167,21 +168,25 @@ def _cu():
     return cu, cu
 
 
-def test_bad_packed_and_rotary_arguments_name_themselves():
+def test_bad_packed_and_rotary_arguments_name_themselves(monkeypatch):
     with pytest.raises(ValueError, match="qkv"):
         fa.flash_attn_qkvpacked_func(_randn(1, 8, 2, 1, 16))
     q = _randn(1, 1, 2, 16)
     cache = _randn(1, 16, 2, 16)
     with pytest.raises(ValueError, match="rotary_cos and rotary_sin"):
         fa.flash_attn_with_kvcache(q, cache, cache, q, q, rotary_cos=torch.ones(16, 4, device=DEVICE))
+    cos = torch.ones(4, 4, device=DEVICE)
+    fa.flash_attn_with_kvcache(q, cache, cache, q, q, cos, cos, cache_seqlens=8)  # positions past the table
+    with pytest.raises(ValueError, match="rotary positions"):  # by default flagged on the device, reported later
+        decode.check_inputs(torch.device(DEVICE))
+    monkeypatch.setattr(decode, "VALIDATE_VALUES", "sync")
     with pytest.raises(ValueError, match="rows"):
-        cos = torch.ones(4, 4, device=DEVICE)
         fa.flash_attn_with_kvcache(q, cache, cache, q, q, cos, cos, cache_seqlens=8)
     with pytest.raises(TypeError, match="cache_batch_idx"):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_batch_idx=torch.zeros(1, device=DEVICE))
 
 
-def test_cache_leftpad_starts_each_sequence_and_its_rotary_positions_there():
+def test_cache_leftpad_starts_each_sequence_and_its_rotary_positions_there(monkeypatch):
     sq = 2
     q, k, v, kc, vc, cos, sin = _decode_case(sq, 32, seed=20)
     lens = torch.tensor([10, 40], dtype=torch.int32, device=DEVICE)
@@ -206,5 +211,9 @@ def test_cache_leftpad_starts_each_sequence_and_its_rotary_positions_there():
     again = attend()
     kc[0, :4] = 0.0
     assert torch.equal(again, attend())
+    fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens + 1)
+    with pytest.raises(ValueError, match="cache_leftpad"):  # flagged on the device, reported later
+        decode.check_inputs(torch.device(DEVICE))
+    monkeypatch.setattr(decode, "VALIDATE_VALUES", "sync")
     with pytest.raises(ValueError, match="cache_leftpad"):
         fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens + 1)

@@ -302,11 +302,16 @@ def _check_rotary(q, k, cos, sin) -> None:
 
 
 def _check_rotary_reach(start: torch.Tensor, steps: int, rows: int) -> None:
-    """Positions start + 0 .. steps - 1 within rotary_cos's rows: one host sync, skipped as the cache's own value
-    check is (kp_attention.ops.decode.VALIDATE_VALUES, CUDA graph capture); positions are clamped regardless."""
+    """Positions start + 0 .. steps - 1 within rotary_cos's rows (they are clamped regardless). With
+    kp_attention.ops.decode.VALIDATE_VALUES = "sync": one host sync, ValueError here; by default the cache's
+    bad-input flag is set on the device, reported as the cache's values are (decode.check_inputs)."""
     if not decode.VALIDATE_VALUES or start.numel() == 0 or torch.compiler.is_compiling():
         return
     if start.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if decode.VALIDATE_VALUES != "sync":
+        flag = decode._flag(start.device).device
+        flag.copy_(torch.maximum(flag, (start.max() + steps > rows).to(flag.dtype)))
         return
     last = int(start.max()) + steps - 1
     if last >= rows:

@@ -34,10 +34,12 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 PAGE_MULTIPLE = 16  # paged block_size must be a multiple of this (the smallest BLOCK_N tl.dot takes)
 MAX_SPLITS = 256
-# Checking cache_seqlens / block_table values costs one device sync a call (skipped during CUDA-graph capture),
-# which at batch 1 costs more than the attention. A serving loop that guarantees them may set this to False: the
-# kernels stay in bounds for any value (a sequence with a bad length or block id gets NaN rows, its new k / v
-# are not written), they only lose the ValueError.
+# The values of cache_seqlens, cache_leftpad and block_table. The kernels stay in bounds for any value: a sequence
+# with a bad length, start or block id gets NaN rows, its new k / v are not written, and the split kernel sets a
+# flag on the device. True (the default): no host sync; the flag is copied back without blocking and reported by a
+# later call (ValueError) once the copy has landed, or at once by check_inputs(). "sync": every call reads the
+# values back first and raises before launching (one device sync a call: at batch 1 more than the attention
+# costs; a debug mode). False: no flag copied back either. Graph capture and torch.compile skip the host side.
 VALIDATE_VALUES = True
 WAVES = 3  # auto num_splits aims at this many programs per SM (B * Hkv * splits ~ WAVES * SMs)
 MAX_BLOCK_M = 64  # query rows (group * Sq) per program; more rows take several programs
@@ -70,9 +72,88 @@ def auto_num_splits(device: torch.device, programs: int, max_blocks: int) -> int
     return max(1, min(kp_core.cdiv(slots, programs), max_blocks, MAX_SPLITS))
 
 
+class _Flag:
+    """A device's bad-input flag (set by the split kernel), its pinned host copy and the copy's event."""
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.device = torch.zeros(1, dtype=torch.int32, device=device)
+        self.ignored = torch.zeros(1, dtype=torch.int32, device=device)  # the kernels' target when nobody reads it
+        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.pending = False
+
+
+_FLAGS: dict = {}
+
+
+def _key(device: torch.device) -> tuple:
+    if device.type != "cuda":
+        return (device.type, None)
+    return (device.type, device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _flag(device: torch.device) -> _Flag:
+    key = _key(device)
+    if key not in _FLAGS:
+        _FLAGS[key] = _Flag(device)
+    return _FLAGS[key]
+
+
+def _bad_input_flag(q: torch.Tensor) -> tuple[Optional[_Flag], torch.Tensor]:
+    """(the flag this call reports through, or None, and the device buffer the split kernel sets). Traced by
+    torch.compile, the call gets a buffer of its own (the flag stays inside the graph); captured into a CUDA graph,
+    the device's flag if it exists, reported by a later eager call."""
+    if torch.compiler.is_compiling():
+        return None, q.new_zeros(1, dtype=torch.int32)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        flag = _FLAGS.get(_key(q.device))
+        if flag is None:
+            return None, q.new_zeros(1, dtype=torch.int32)
+        return None, flag.device if VALIDATE_VALUES is True else flag.ignored
+    flag = _flag(q.device)
+    return (flag, flag.device) if VALIDATE_VALUES is True else (None, flag.ignored)
+
+
+def _report(flag: _Flag) -> None:
+    """Raise if the flag's landed copy says an earlier call had bad values (and clear it); never blocks."""
+    if not flag.pending or (flag.event is not None and not flag.event.query()):
+        return
+    flag.pending = False
+    if int(flag.host[0]):
+        flag.host.zero_()
+        flag.device.zero_()
+        raise ValueError(
+            f"{OP}: an earlier call had cache_seqlens, cache_leftpad or block_table values outside the cache (its "
+            "rows came out NaN, its new k / v were not written) or, through kp_attention.flash_attn, rotary "
+            "positions past rotary_cos's rows (clamped); set kp_attention.ops.decode.VALIDATE_VALUES = "
+            '"sync" to raise in that call'
+        )
+
+
+def _copy_back(flag: _Flag) -> None:
+    flag.host.copy_(flag.device, non_blocking=flag.event is not None)
+    if flag.event is not None:
+        flag.event.record()
+    flag.pending = True
+
+
+def check_inputs(device: Optional[torch.device] = None) -> None:
+    """Raise ValueError if a call on `device` (default: the current CUDA device, else the CPU) since the last
+    report had bad cache_seqlens, cache_leftpad or block_table values. Waits for those calls' flag: one sync."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    flag = _flag(device)
+    _copy_back(flag)
+    if flag.event is not None:
+        flag.event.synchronize()
+    _report(flag)
+
+
 def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks, leftpad=None):
     """cache_seqlens + new within [0, capacity], cache_leftpad within [0, cache_seqlens] and, paged, the block ids
-    in use within the cache: one sync."""
+    in use within the cache: one sync (VALIDATE_VALUES = "sync", and the reference path)."""
     if not VALIDATE_VALUES or cache_seqlens.numel() == 0:
         return
     if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -224,10 +305,15 @@ def forward(
     paged = block_table is not None
     capacity = block_table.shape[1] * page if paged else page
     new = 0 if k is None else k.shape[1]
-    _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks, cache_leftpad)
     seqlens = cache_seqlens + new if new else cache_seqlens
     backend = kp_core.choose_backend(OP, q)
-    if backend == kp_core.REFERENCE or q.numel() == 0:
+    reference = backend == kp_core.REFERENCE or q.numel() == 0
+    if reference or VALIDATE_VALUES == "sync":  # the reference path indexes with the values: checked first
+        _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks, cache_leftpad)
+    flag, bad = _bad_input_flag(q)
+    if flag is not None:
+        _report(flag)
+    if reference:
         kp_core.reference(OP)
         if new:
             _append(k_cache, v_cache, cache_seqlens, k, v, block_table)
@@ -300,6 +386,7 @@ def forward(
         capacity,
         num_blocks,
         new,
+        bad,
     )
     switches = dict(
         D=d,
@@ -331,6 +418,8 @@ def forward(
             dict(D=d, BLOCK_S=block_s, BLOCK_D=block_d_c, IEEE=q.dtype == torch.float32),
             4 if block_s * block_d_c >= 2048 else 2,
         )
+    if flag is not None:
+        _copy_back(flag)
     return out, lse
 
 

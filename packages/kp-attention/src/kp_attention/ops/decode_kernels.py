@@ -65,6 +65,7 @@ def _decode_split(
     capacity,
     num_blocks,
     new,
+    BAD,
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -87,8 +88,8 @@ def _decode_split(
     for the final output; fp32 (IEEE) stays in natural units throughout.
 
     Values the launcher's check would refuse (a length outside [new, capacity], a block id outside the cache;
-    possible when the check is off or skipped under graph capture) read nothing out of bounds: the sequence's
-    rows come out NaN instead."""
+    never checked on the host by default) read nothing out of bounds: the sequence's rows come out NaN instead,
+    and BAD[0] is set to 1 (decode.check_inputs reports it)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     mb = pid % m_blocks
@@ -186,6 +187,7 @@ def _decode_split(
     if n_bad > 0:
         out = tl.full([BLOCK_M, BLOCK_D], float("nan"), dtype=tl.float32)
         lse2 = tl.full([BLOCK_M], float("nan"), dtype=tl.float32)
+        tl.store(BAD, 1)
     hq64 = hq.to(tl.int64)
     row_id = (b64 * Hkv * GROUP + hq64) * Sq + qi  # row of the (B, Hq, Sq) lse
     if ONE_SPLIT:
