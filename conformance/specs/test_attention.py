@@ -316,6 +316,14 @@ def test_varlen_matches_per_sequence(dtype):
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     alibi = kc.alibi_slopes("batch", len(lens_q), hq, 4, DEVICE)
+    # The same keys in shuffled pages of 16 (block_table; PAGED, forward only), read with the ALiBi options below.
+    page, per = 16, -(-max(lens_k) // 16)
+    table = torch.randperm(per * len(lens_k), generator=g).view(len(lens_k), per).to(torch.int32).to(DEVICE)
+    pages = [torch.zeros(per * len(lens_k), page, hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+    for i, n in enumerate(lens_k):
+        j = torch.arange(n, device=DEVICE)
+        for pg, t in zip(pages, (k, v)):
+            pg[table[i].long()[j // page], j % page] = t[cu_k[i] : cu_k[i + 1]]
     for causal, window, alibi_slopes in ((False, (-1, -1), None), (True, (-1, -1), alibi), (True, (16, -1), None)):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         options = dict(causal=causal, window=window)
@@ -325,6 +333,13 @@ def test_varlen_matches_per_sequence(dtype):
             )
             out.float().square().sum().backward()
         kc.assert_kernel_ran(rec, VARLEN, VARLEN_BWD)
+        paged = None
+        if alibi_slopes is not None:
+            with kp_core.record_launches() as rec, torch.no_grad():
+                paged = kp_attention.flash_attention_varlen(
+                    q, *pages, cu_q, cu_k, max(lens_q), max(lens_k), alibi_slopes=alibi, block_table=table, **options
+                )
+            kc.assert_kernel_ran(rec, VARLEN)
         # The reference and PyTorch's baseline per sequence, concatenated: the rule is then judged over the whole
         # packed output, as for the dense op (one 5-key sequence alone is a handful of roundings, noise).
         refs, lows = [], []
@@ -342,10 +357,13 @@ def test_varlen_matches_per_sequence(dtype):
             refs.append([y.detach()[0]] + [t.grad[0] for t in leaves64])
             lows.append([y_low.detach()[0]] + [t.grad[0].nan_to_num(0.0) for t in lowg])
         ours = (out.detach(), leaves[0].grad, leaves[1].grad, leaves[2].grad)
+        what = f"causal={causal}, window={window}, alibi={alibi_slopes is not None}"
         for j, name in enumerate(("out", "dq", "dk", "dv")):
             ref, low = torch.cat([r[j] for r in refs]), torch.cat([lo[j] for lo in lows])
-            what = f"causal={causal}, window={window}, alibi={alibi_slopes is not None}"
             kc.check_close(f"varlen {name} ({what})", ours[j], ref, low, dtype)
+        if paged is not None:
+            ref, low = torch.cat([r[0] for r in refs]), torch.cat([lo[0] for lo in lows])
+            kc.check_close(f"paged varlen out ({what})", paged, ref, low, dtype)
 
 
 # PyTorch's own SDPA tests draw 3-D inputs with small head dims and values uniform in [-9, 9]: logits in the
@@ -521,7 +539,7 @@ def test_opcheck(dtype):
             torch.library.opcheck(attention_mod.FLASH.op, args)
         packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
         alibi = kc.alibi_slopes("batch", 2, 4, 2, DEVICE)
-        args = (*packed, cu_q, cu_k, alibi, None, 20, 30, 0.25, 0.0, -1, 0, 0.0)
+        args = (*packed, cu_q, cu_k, alibi, None, None, 20, 30, 0.25, 0.0, -1, 0, 0.0)
         torch.library.opcheck(attention_mod.FLASH_VARLEN.op, args)
     kc.assert_kernel_ran(rec, FWD, BWD, VARLEN, VARLEN_BWD)
 

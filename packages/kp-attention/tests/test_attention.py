@@ -271,7 +271,7 @@ def test_compile_and_opcheck():
         args = (transposed, *leaves[1:], mask, None, seed, 0.25, 1.5, -1, -1, False, 0.3)  # with dropout
         torch.library.opcheck(attention.FLASH.op, args)
         packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
-        args = (*packed, cu_q, cu_k, None, seed, 23, 25, 0.25, 0.0, -1, 0, 0.3)
+        args = (*packed, cu_q, cu_k, None, seed, None, 23, 25, 0.25, 0.0, -1, 0, 0.3)
         torch.library.opcheck(attention.FLASH_VARLEN.op, args)
     assert rec.backends() == {KERNEL}
 
@@ -291,7 +291,7 @@ def test_a_tensor_on_another_device_is_refused_by_the_op():
     q, k, v, _ = make(1, 8, 8, 2, 2, 16, torch.float32)
     other = torch.ones(3, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="cu_seqlens_q must be on the same device as q"):
-        attention.FLASH_VARLEN(q[0], k[0], v[0], other, other, None, None, 8, 8, 0.25, 0.0, -1, -1, 0.0)
+        attention.FLASH_VARLEN(q[0], k[0], v[0], other, other, None, None, None, 8, 8, 0.25, 0.0, -1, -1, 0.0)
     with pytest.raises(ValueError, match="attn_mask must be on the same device as q"):
         meta_mask = torch.ones(8, 8, dtype=torch.bool, device="meta")
         attention.FLASH(q, k, v, meta_mask, None, None, 0.25, 0.0, -1, -1, False, 0.0)
@@ -410,3 +410,56 @@ def test_large_logits_gradients_round_like_fp32_maths(shape):
     fp32 = run(lambda *t: tuple(x.float() for x in ref.attention64(*(y.float() for y in t))), (q, k, v), dout)
     for name, a, w, lo in zip(("dq", "dk", "dv"), got[2:], want[2:], fp32[2:]):
         check_close(name, a, w, lo.half(), torch.float16)
+
+
+def _paged(t: torch.Tensor, cu: torch.Tensor, page: int, spare: int, seed: int):
+    """(pages (num_blocks, page, H, D), block_table (batch, max pages)) holding packed t's sequences in shuffled
+    pages, with `spare` unused pages of noise."""
+    lens = (cu[1:] - cu[:-1]).tolist()
+    per = max(-(-n // page) for n in lens)
+    total = per * len(lens) + spare
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    pages = randn(total, page, *t.shape[1:], dtype=t.dtype, seed=seed)
+    table = order[: per * len(lens)].view(len(lens), per).to(torch.int32)
+    for b, (start, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        j = torch.arange(n, device=DEVICE)
+        pages[table[b].long()[j // page], j % page] = t[start : start + n]
+    return pages, table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("page", [16, 48])
+def test_paged_varlen_reads_the_pages_as_the_packed_keys(dtype, page):
+    q, k, v, _ = make(1, 70, 90, 4, 2, 32, dtype)
+    q, k, v = q[0], k[0], v[0]
+    cu_q = torch.tensor([0, 30, 31, 70], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 40, 41, 90], dtype=torch.int32, device=DEVICE)
+    kp_pages, table = _paged(k, cu_k, page, 3, seed=5)
+    vp_pages, _ = _paged(v, cu_k, page, 3, seed=5)
+    kw = dict(causal=True, alibi_slopes=torch.tensor([0.1, 0.2, 0.3, 0.4], device=DEVICE), return_lse=True)
+    want = kp_attention.flash_attention_varlen(q, k, v, cu_q, cu_k, 39, 49, **kw)
+    with kp_core.record_launches() as rec:
+        got = kp_attention.flash_attention_varlen(q, kp_pages, vp_pages, cu_q, cu_k, 39, 49, block_table=table, **kw)
+    assert rec.backends(attention.OP_VARLEN) == {KERNEL}
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got[0], want[0], **tol)  # the key blocks may split otherwise: not bit for bit
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_paged_varlen_refuses_what_it_cannot_do():
+    q, k, v, _ = make(1, 20, 20, 2, 2, 16, torch.float32)
+    cu = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
+    pages, table = _paged(k[0], cu, 16, 0, seed=1)
+    varlen = kp_attention.flash_attention_varlen
+    with pytest.raises(NotImplementedError, match="no backward"):
+        varlen(q[0].requires_grad_(), pages, pages, cu, cu, 20, 20, block_table=table)
+    with pytest.raises(ValueError, match="page ids in use"):
+        varlen(q[0], pages, pages, cu, cu, 20, 20, block_table=table + 5)
+    with pytest.raises(ValueError, match="exceeds its block_table"):
+        varlen(q[0], pages, pages, cu, cu, 20, 20, block_table=table[:, :1])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        varlen(q[0], pages[:, :8], pages[:, :8], cu, cu, 20, 20, block_table=table)
+    with pytest.raises(ValueError, match="k must have 4 dimensions"):
+        varlen(q[0], k[0], v[0], cu, cu, 20, 20, block_table=table)
+    with pytest.raises(ValueError, match="one row per sequence"):
+        varlen(q[0], pages, pages, cu, cu, 20, 20, block_table=table.repeat(2, 1))

@@ -149,25 +149,6 @@ def test_rotary_rotates_q_and_the_new_keys_at_their_positions(interleaved, causa
     assert torch.equal(vc, vc_want)
 
 
-@pytest.mark.parametrize(
-    "call, name",
-    [
-        (
-            lambda q: fa.flash_attn_varlen_func(q[0], q[0], q[0], *_cu(), 8, 8, block_table=_cu()[0][None]),
-            "block_table",
-        ),
-    ],
-)
-def test_what_is_not_supported_yet_says_so(call, name):
-    with pytest.raises(NotImplementedError, match=name):
-        call(_randn(1, 8, 1, 16))
-
-
-def _cu():
-    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
-    return cu, cu
-
-
 def test_bad_packed_and_rotary_arguments_name_themselves(monkeypatch):
     with pytest.raises(ValueError, match="qkv"):
         fa.flash_attn_qkvpacked_func(_randn(1, 8, 2, 1, 16))

@@ -18,8 +18,8 @@ deterministic (kp's backward is always deterministic), dropout (kp_attention.ops
 torch's generator per call, the same mask again in the backward), varlen, paged KV caches (block_table) and new
 tokens appended in place in flash_attn_with_kvcache, rotary embedding there (rotary_cos / rotary_sin, interleaved or
 not; applied with PyTorch ops before the kernel), and cache_batch_idx (the cache read as one page per sequence, so
-new tokens still land in the cache itself), cache_leftpad (rotary positions then count from it). Not yet:
-block_table in flash_attn_varlen_func, which raises NotImplementedError naming the argument.
+new tokens still land in the cache itself), cache_leftpad (rotary positions then count from it), and paged k/v in
+flash_attn_varlen_func (block_table; forward only, as FlashAttention's).
 """
 
 from typing import Optional, Union
@@ -39,11 +39,6 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
-
-
-def _unsupported(fn: str, name: str, value, off) -> None:
-    if value is not off and not (isinstance(off, float) and value == off):
-        raise NotImplementedError(f"kp_attention.flash_attn.{fn}: {name} is not supported yet (got {value!r})")
 
 
 def _seed(q, dropout_p) -> Optional[torch.Tensor]:
@@ -155,7 +150,9 @@ def _packed(fn: str, name: str, t, ndim: int, parts: int) -> None:
         )
 
 
-def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, alibi, det, probs):
+def _varlen(
+    fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, alibi, det, probs, pages=None
+):
     seed = _seed(q, dropout_p)
     out, lse = flash_attention_varlen(
         q,
@@ -172,6 +169,7 @@ def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win
         alibi_slopes=alibi,
         dropout_p=dropout_p,
         dropout_seed=seed,
+        block_table=pages,
         return_lse=True,
         deterministic=det,
     )
@@ -179,6 +177,8 @@ def _varlen(fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, win
         return out
     if seed is None:
         return out, lse, None
+    if pages is not None:
+        k = attention._unpage(k, cu_k, pages)
     s_dmask = q.new_zeros((cu_q.shape[0] - 1, q.shape[1], max_q, max_k))
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
     with torch.no_grad():
@@ -209,9 +209,9 @@ def flash_attn_varlen_func(
     block_table=None,
 ):
     """Packed q (total_q, heads, headdim), k and v (total_k, heads_k, headdim); cu_seqlens int32 (batch + 1,)."""
-    _unsupported("flash_attn_varlen_func", "block_table", block_table, None)
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    return _varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args)
+    cu = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _varlen("flash_attn_varlen_func", q, k, v, *cu, *args, block_table)
 
 
 def flash_attn_varlen_kvpacked_func(

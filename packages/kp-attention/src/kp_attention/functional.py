@@ -23,17 +23,19 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_qkv(op: str, q, k, v, ndim: int, layout: str, names=("q", "k", "v")):
-    """Tensors, dtypes, devices, ndim, head dims, k/v shapes and head divisibility (heads at dim -2)."""
+def _check_qkv(op: str, q, k, v, ndim: int, layout: str, names=("q", "k", "v"), kv_layout: Optional[tuple] = None):
+    """Tensors, dtypes, devices, ndim, head dims, k/v shapes and head divisibility (heads at dim -2). kv_layout:
+    (ndim, layout) of k and v where it differs from q's (paged caches)."""
     nq, nk, nv = names
     for name, t in zip(names, (q, k, v)):
         kp_core.check_tensor(op, name, t, dtypes=DTYPES)
     kp_core.check_same_dtype(op, nk, k, q, nq)
     kp_core.check_same_dtype(op, nv, v, q, nq)
     kp_core.check_same_device(op, **{nq: q, nk: k, nv: v})
-    for name, t in zip(names, (q, k, v)):
-        if t.dim() != ndim:
-            raise ValueError(f"{op}: {name} must have {ndim} dimensions {layout}, got shape {tuple(t.shape)}")
+    kv_ndim, kv_layout = kv_layout or (ndim, layout)
+    for name, t, n, form in zip(names, (q, k, v), (ndim, kv_ndim, kv_ndim), (layout, kv_layout, kv_layout)):
+        if t.dim() != n:
+            raise ValueError(f"{op}: {name} must have {n} dimensions {form}, got shape {tuple(t.shape)}")
     d = q.shape[-1]
     for name, t in ((nk, k), (nv, v)):
         if t.shape[-1] != d:
@@ -174,6 +176,7 @@ def flash_attention_varlen(
     alibi_slopes: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     dropout_seed: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -187,9 +190,29 @@ def flash_attention_varlen(
     Checked on the host: dtypes, shapes and lengths always; the values of cu_seqlens (start, order, end,
     max_seqlen) in eager mode, which reads them back once (set kp_attention.ops.attention.VALIDATE_CU_SEQLENS = False
     to skip that sync).
+    block_table, int32 (batch, pages per sequence): k and v are a paged cache (num_blocks, page, Hkv, D), page a
+    multiple of 16; key j of sequence b is slot j % page of page block_table[b, j // page] (cu_seqlens_k still
+    gives the lengths). Forward only, as FlashAttention's (NotImplementedError when a gradient is wanted); the
+    page ids in use are checked with cu_seqlens' values.
     """
     op = "kp_attention.flash_attention_varlen"
-    _check_qkv(op, q, k, v, 3, "(total, heads, head_dim)")
+    paged = block_table is not None
+    kv_layout = (4, "(num_blocks, page, heads, head_dim)") if paged else None
+    _check_qkv(op, q, k, v, 3, "(total, heads, head_dim)", kv_layout=kv_layout)
+    if paged:
+        kp_core.check_tensor(op, "block_table", block_table, dtypes=(torch.int32,), ndim=2)
+        kp_core.check_same_device(op, q=q, block_table=block_table)
+        if block_table.shape[0] != cu_seqlens_q.shape[0] - 1:
+            raise ValueError(
+                f"{op}: block_table must have one row per sequence ({cu_seqlens_q.shape[0] - 1}), got shape "
+                f"{tuple(block_table.shape)}"
+            )
+        if k.shape[1] % PAGE_MULTIPLE != 0:
+            raise ValueError(
+                f"{op}: the page size of k/v (dim 1) must be a multiple of {PAGE_MULTIPLE}, got {k.shape[1]}"
+            )
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise NotImplementedError(f"{op}: paged k/v (block_table) has no backward (as FlashAttention's)")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         kp_core.check_tensor(op, name, cu, dtypes=(torch.int32,), ndim=1)
         kp_core.check_same_device(op, q=q, **{name: cu})
@@ -214,6 +237,7 @@ def flash_attention_varlen(
         cu_seqlens_k,
         alibi_slopes,
         seed,
+        block_table,
         max_seqlen_q,
         max_seqlen_k,
         p.scale,

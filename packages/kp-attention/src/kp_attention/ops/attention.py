@@ -124,9 +124,9 @@ def _score_args(p: Params, dtype: torch.dtype) -> tuple[float, float, float]:
 
 
 def _structure(p: Params, q, k, cu_q):
-    """(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, varlen) of a call."""
+    """(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, varlen) of a call (paged k: heads at dim 2)."""
     if cu_q is not None:
-        return cu_q.shape[0] - 1, p.max_seqlen_q, p.max_seqlen_k, q.shape[1], k.shape[1], q.shape[2], True
+        return cu_q.shape[0] - 1, p.max_seqlen_q, p.max_seqlen_k, q.shape[1], k.shape[-2], q.shape[2], True
     return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], False
 
 
@@ -157,11 +157,15 @@ def _switches(p: Params, d: int, varlen: bool, mask_kind: int, dtype: torch.dtyp
     )
 
 
-def check_cu_seqlens(op: str, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, p: Params) -> None:
-    """Values of cu_seqlens: start at 0, non-decreasing, end at the packed length, max <= max_seqlen (host sync)."""
+def check_cu_seqlens(
+    op: str, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, p: Params, block_table=None, page=0
+) -> None:
+    """Values of cu_seqlens: start at 0, non-decreasing, end at the packed length, max <= max_seqlen; with a paged
+    k/v (block_table, pages of `page` keys, total_k pages), each length within the sequence's pages and the page ids
+    in use within the cache (host sync)."""
     for name, cu, total, max_len in (
         ("cu_seqlens_q", cu_q, total_q, p.max_seqlen_q),
-        ("cu_seqlens_k", cu_k, total_k, p.max_seqlen_k),
+        ("cu_seqlens_k", cu_k, None if block_table is not None else total_k, p.max_seqlen_k),
     ):
         vals = cu.tolist()
         lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
@@ -169,11 +173,28 @@ def check_cu_seqlens(op: str, cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: i
             raise ValueError(f"{op}: {name} must start at 0, got {vals[0]}")
         if any(n < 0 for n in lens):
             raise ValueError(f"{op}: {name} must be non-decreasing, got {vals}")
-        if vals[-1] != total:
+        if total is not None and vals[-1] != total:
             raise ValueError(f"{op}: {name}[-1] must equal the packed length {total}, got {vals[-1]}")
         if lens and max(lens) > max_len:
             name_max = "max_seqlen_q" if name.endswith("q") else "max_seqlen_k"
             raise ValueError(f"{op}: {name_max}={max_len} is smaller than the longest sequence ({max(lens)})")
+    if block_table is None:
+        return
+    lens_k = (cu_k[1:] - cu_k[:-1]).long()
+    used = torch.arange(block_table.shape[1], device=cu_k.device)[None, :] * page < lens_k[:, None]
+    stats = torch.stack(
+        [
+            lens_k.max() if lens_k.numel() else lens_k.new_zeros(()),
+            (used & ((block_table < 0) | (block_table >= total_k))).sum(),
+        ]
+    )
+    longest, bad = stats.tolist()
+    if longest > block_table.shape[1] * page:
+        raise ValueError(
+            f"{op}: a sequence of {longest} keys exceeds its block_table's {block_table.shape[1]} pages of {page}"
+        )
+    if bad:
+        raise ValueError(f"{op}: block_table has {bad} page ids in use outside [0, {total_k}) (the paged k/v)")
 
 
 # ---- reference path (CPU without the interpreter, or KP_BACKEND=reference) ----
@@ -240,6 +261,16 @@ def signed_exp_scores(q, k, alibi, seed, first_batch: int, p: Params) -> torch.T
     return e if keep is None else torch.where(keep, e, -e)
 
 
+def _unpage(t: torch.Tensor, cu_k: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Packed (total_k, H, D) keys (or values) of paged (num_blocks, page, H, D) ones: sequence b's key j from page
+    block_table[b, j // page], slot j % page."""
+    page, rows = t.shape[1], []
+    for b, (start, end) in enumerate(zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        j = torch.arange(end - start, device=t.device)
+        rows.append(t[block_table[b].long()[j // page], j % page])
+    return torch.cat(rows) if rows else t.new_zeros((0, *t.shape[2:]))
+
+
 def _keep(seed, batches: range, heads: int, sq: int, sk: int, p: Params):
     """dropout's mask of these batches (or sequences), (len, heads, sq, sk); None without dropout."""
     if p.dropout_p == 0:
@@ -295,26 +326,43 @@ def _check_dropout(op: str, seed, p: Params) -> None:
         raise ValueError(f"{op}: dropout_p > 0 needs dropout_seed, a one-element int64 tensor, got {seed!r}")
 
 
-def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
-    """(out, lse): out like q (contiguous, q's layout), lse fp32 (B, Hq, Sq), or (Hq, total_q) when packed."""
+def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params, block_table=None):
+    """(out, lse): out like q (contiguous, q's layout), lse fp32 (B, Hq, Sq), or (Hq, total_q) when packed.
+    block_table (varlen): k and v are (num_blocks, page, Hkv, D) pages (the public function checks the shapes)."""
     _check_dropout(op, seed, p)
     _check_devices(
-        op, q, k=k, v=v, attn_mask=mask, alibi_slopes=alibi, dropout_seed=seed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k
+        op,
+        q,
+        k=k,
+        v=v,
+        attn_mask=mask,
+        alibi_slopes=alibi,
+        dropout_seed=seed,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        block_table=block_table,
     )
     b, sq, sk, hq, hkv, d, varlen = _structure(p, q, k, cu_q)
+    paged = block_table is not None
+    page = k.shape[1] if paged else 0
     if varlen and VALIDATE_CU_SEQLENS and not torch.compiler.is_compiling():
-        check_cu_seqlens(op, cu_q, cu_k, q.shape[0], k.shape[0], p)
+        check_cu_seqlens(op, cu_q, cu_k, q.shape[0], k.shape[0], p, block_table, page)
     if q.numel() == 0 or k.shape[0] == 0 or b == 0 or sq == 0 or sk == 0:  # nothing to launch
         return q.new_zeros(q.shape), _lse_empty(q, b, hq, sq, varlen).fill_(float("-inf"))
     backend = kp_core.choose_backend(op, q)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
+        if paged:  # the pages gathered into a packed k/v, as the sequences' keys
+            k, v = _unpage(k, cu_k, block_table), _unpage(v, cu_k, block_table)
         out, lse = _reference_forward(q, k, v, mask, alibi, seed, cu_q, cu_k, p)
         return out.contiguous(), lse.contiguous()
     out = q.new_empty(q.shape)
     lse = _lse_empty(q, b, hq, sq, varlen)
     m, m_strides, mask_kind = _mask_args(mask, alibi, b, hq, sq, sk, q.dtype)
     tiles = _tiles("_attn_fwd", _block_d(d), q.element_size(), q.device)
+    if paged:  # a block of keys in one page
+        tiles = {**tiles, "block_n": min(tiles["block_n"], page & -page)}
+    kv_strides = (*k.stride(), *v.stride()) if paged else (*_bshd(k, varlen), *_bshd(v, varlen))
     args = (
         q,
         k,
@@ -325,9 +373,9 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
         lse if seed is None else seed,
         cu_q if varlen else lse,
         cu_k if varlen else lse,
+        block_table if paged else lse,
         *_bshd(q, varlen),
-        *_bshd(k, varlen),
-        *_bshd(v, varlen),
+        *kv_strides,
         *_bshd(out, varlen),
         *_lse_strides(lse, varlen),
         *m_strides,
@@ -338,6 +386,8 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
         p.window_left,
         p.window_right,
         *_dropout_args(p),
+        block_table.stride(0) if paged else 0,
+        k.shape[0] if paged else 1,
     )
     grid = (kp_core.cdiv(sq, tiles["block_m"]), hq, b)
     kp_core.launch(
@@ -346,7 +396,7 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
         fwd_kernels._attn_fwd,
         grid,
         args,
-        _switches(p, d, varlen, mask_kind, q.dtype, tiles),
+        {**_switches(p, d, varlen, mask_kind, q.dtype, tiles), "PAGED": paged, "PAGE": max(page, 1)},
         tiles["num_warps"],
         tiles["num_stages"],
     )
@@ -549,6 +599,7 @@ def forward_varlen(
     cu_seqlens_k: torch.Tensor,
     alibi_slopes: Optional[torch.Tensor],
     dropout_seed: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
@@ -558,9 +609,11 @@ def forward_varlen(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): packed q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q); alibi_slopes fp32 (Hq,)
-    or (batch, Hq); dropout as in forward (sequence b numbered as batch b)."""
+    or (batch, Hq); dropout as in forward (sequence b numbered as batch b); with block_table (batch, pages) int32,
+    k/v are (num_blocks, page, Hkv, D) pages (forward only)."""
     p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k, dropout_p)
-    return _forward(OP_VARLEN, q, k, v, None, alibi_slopes, dropout_seed, cu_seqlens_q, cu_seqlens_k, p)
+    cu = (cu_seqlens_q, cu_seqlens_k)
+    return _forward(OP_VARLEN, q, k, v, None, alibi_slopes, dropout_seed, *cu, p, block_table)
 
 
 def backward_varlen(
@@ -575,6 +628,7 @@ def backward_varlen(
     cu_seqlens_k: torch.Tensor,
     alibi_slopes: Optional[torch.Tensor],
     dropout_seed: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
     max_seqlen_q: int,
     max_seqlen_k: int,
     scale: float,
@@ -583,6 +637,8 @@ def backward_varlen(
     window_right: int,
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if block_table is not None:
+        raise NotImplementedError(f"{OP_VARLEN}: paged k/v (block_table) has no backward (as FlashAttention's)")
     p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k, dropout_p)
     cu = (cu_seqlens_q, cu_seqlens_k)
     return _backward(OP_VARLEN_BWD, dout, dlse, q, k, v, out, lse, None, alibi_slopes, dropout_seed, *cu, p)
@@ -596,7 +652,9 @@ def _forward_fake(q, k, v, *rest):
     return q.new_empty(q.shape), _lse_empty(q, q.shape[0], q.shape[2], q.shape[1], False)
 
 
-def _forward_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, max_seqlen_q, *rest):
+def _forward_varlen_fake(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, block_table, max_seqlen_q, *rest
+):
     return q.new_empty(q.shape), _lse_empty(q, cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, True)
 
 
@@ -619,7 +677,7 @@ FLASH_VARLEN = kp_core.op(
     _forward_varlen_fake,
     backward=backward_varlen,
     backward_fake=lambda dout, dlse, q, k, v, *rest: _like(q, k, v),
-    save=lambda args, outputs: (*args[:3], *outputs, *args[3:7]),  # q, k, v, out, lse, cu_seqlens_q/k, alibi, seed
+    save=lambda args, outputs: (*args[:3], *outputs, *args[3:8]),  # q, k, v, out, lse, cu_q/k, alibi, seed, pages
     grad_inputs=("q", "k", "v"),
     package=PACKAGE,
     spec=SPEC,

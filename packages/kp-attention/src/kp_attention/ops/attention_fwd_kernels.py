@@ -38,6 +38,7 @@ def _attn_fwd(
     SEED,
     CU_Q,
     CU_K,
+    BT,
     sqb,
     sqs,
     sqh,
@@ -70,6 +71,8 @@ def _attn_fwd(
     window_right,
     drop_threshold,
     drop_scale,
+    sbt,
+    num_blocks,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -83,16 +86,21 @@ def _attn_fwd(
     MASK_KIND: tl.constexpr,
     DROPOUT: tl.constexpr,
     IEEE: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
-    """Grid (query blocks, q heads, batch). Query blocks run last-first: under a causal mask the longest
-    rows (most key blocks) start first, which balances the tail.
+    """Grid (query blocks, q heads, batch). Query blocks run last-first: under a causal mask the longest rows (most
+    key blocks) start first, which balances the tail.
 
     fp16/bf16 make one pass over the key blocks (PASS 1), the online softmax of FlashAttention-2: acc and l are
-    rescaled by exp2(m_old - m_new) as the row max grows. fp32 (IEEE) makes two: PASS 0 gathers the row max m and
-    sum l only, then PASS 1 accumulates (exp(s - m) / l) @ v, the normalised probabilities PyTorch's
-    softmax-then-matmul forms (the one-pass deferred normalisation costs fp32 ulps the 2x rule does not allow, and
-    exp(s - lse) would carry lse's rounding, an ulp of a large lse, into every p). Twice the score work, on the
-    correctness path only. DROPOUT zeroes the dropped p before p @ v (l sums them all) and scales o by 1 / (1 - p)."""
+    rescaled by exp2(m_old - m_new) as the row max grows. fp32 (IEEE) makes two: PASS 0 gathers the row max m
+    and sum l only, then PASS 1 accumulates (exp(s - m) / l) @ v, the normalised probabilities PyTorch's
+    softmax-then-matmul forms (the one-pass deferred normalisation costs fp32 ulps the 2x rule does not allow,
+    and exp(s - lse) would carry lse's rounding, an ulp of a large lse, into every p). Twice the score work, on
+    the correctness path only. PAGED (varlen, forward only): K and V are (num_blocks, PAGE, Hkv, D) pages, key j
+    of sequence b in page BT[b, j // PAGE] at slot j % PAGE (BLOCK_N divides PAGE: one page per key block; a
+    page id outside the cache is clamped into it, the launcher's check refuses it). DROPOUT zeroes the dropped p
+    before p @ v (l sums them all) and scales o by 1 / (1 - p)."""
     b64, h64, kvh64, q_start, k_start, seqlen_q, seqlen_k, m0, diag = query_program(
         CU_Q, CU_K, seqlen_q, seqlen_k, group, BLOCK_M, VARLEN, BOTTOM_RIGHT
     )
@@ -132,6 +140,12 @@ def _attn_fwd(
                 cols = start_n + offs_n
                 d_ok = offs_d < HEAD_DIM
                 kv_ok = cols < seqlen_k
+                if PAGED:  # this key block's page, addressed so that + cols * stride lands in it
+                    page = tl.load(BT + b64 * sbt + start_n // PAGE)
+                    page = tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
+                    back = page * 0 + (start_n % PAGE - start_n)  # int64: from the block's first key to its slot
+                    K_base = K + page * skb + kvh64 * skh + back * sks
+                    V_base = V + page * svb + kvh64 * svh + back * svs
                 kT = load2d(K_base + cols[None, :] * sks + offs_d[:, None] * skd, d_ok, kv_ok, PAD_D, REGION != 0)
                 s = mm(q, kT, IEEE)
                 s2, _ = scores(s, qk_scale, sc_in, sc_out, SOFTCAP, IEEE)
