@@ -6,6 +6,7 @@
     nox -s conformance-report
     nox -s mutants           planted bugs in one package's kernels: do its specs catch them? (-- --package P)
     nox -s memcheck          the specs under compute-sanitizer's memcheck (a CUDA machine)
+    nox -s fa-suite -- PATH  FlashAttention's own tests against kp_attention.flash_attn (a GPU)
 
 On a machine without a package registry (the GPU box) run `nox --no-venv -s conformance`: sessions then use
 the current interpreter's packages and put packages/*/src on PYTHONPATH instead of installing.
@@ -149,6 +150,30 @@ def memcheck(session: nox.Session) -> None:
         session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, *PACKAGES)
     session.run("python", "-m", "kp_conformance.memcheck", "--root", str(ROOT), *session.posargs, env=env)
+
+
+@nox.session(name="fa-suite", python="3.11")
+def fa_suite(session: nox.Session) -> None:
+    """FlashAttention's own tests (tests/test_flash_attn.py of a checkout you point to) against
+    kp_attention.flash_attn, a fixed-seed sample of them; a GPU only (the tests allocate on CUDA).
+
+    nox --no-venv -s fa-suite -- PATH [--fa-sample N] [--fa-seed S] [--fa-report out.json] [pytest options]
+    """
+    if not session.posargs:
+        session.error("usage: nox -s fa-suite -- PATH (a FlashAttention checkout) [pytest options]")
+    tests = Path(session.posargs[0]) / "tests" / "test_flash_attn.py"
+    if not tests.is_file():
+        session.error(f"{tests} not found: PATH must be a FlashAttention checkout")
+    _install_torch(session)
+    if _installing(session):
+        session.install(*TEST_DEPS, "einops")
+        session.install("--no-deps", str(ROOT / "conformance"))
+    env = _install_packages(session, "kp-core", "kp-attention")
+    gpu = session.run("python", "-c", "import torch; print(torch.cuda.is_available())", silent=True, env=env)
+    if "True" not in (gpu or ""):
+        session.skip("FlashAttention's tests allocate on CUDA: a GPU only")
+    args = ("-p", "kp_conformance.fa_suite", "-p", "no:cacheprovider", "-q", "--rootdir", str(tests.parent))
+    session.run("python", "-m", "pytest", str(tests), *args, *session.posargs[1:], env=env)
 
 
 @nox.session(name="conformance-report", python="3.11")

@@ -1,0 +1,82 @@
+"""FlashAttention's own test suite against kp_attention.flash_attn (`nox -s fa-suite -- PATH`, a GPU).
+
+A pytest plugin (`-p kp_conformance.fa_suite`): `flash_attn` resolves to kp's module through the shim package in
+kp_conformance/fa_shim (put first on sys.path before the tests are collected); a fixed-seed sample of the
+collected cases runs (--fa-sample N, default 400; 0 runs all; --fa-seed S); the summary counts passed, failed and
+skipped cases per test function, and --fa-report PATH writes them as JSON. The test file is read from the
+checkout the user points to, never copied into kp.
+
+Left out, each with its reason in the summary: tests of FlashAttention's private C++ entry points (not its
+public API, which is what kp_attention.flash_attn reproduces).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import sys
+from pathlib import Path
+
+SHIM = Path(__file__).resolve().parent / "fa_shim"
+DEFAULT_SAMPLE = 400
+PRIVATE = {"test_flash_attn_generator_arg_must_be_none": "calls flash_attn_gpu, FlashAttention's C++ extension"}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("kp fa-suite")
+    group.addoption("--fa-sample", type=int, default=DEFAULT_SAMPLE, help="cases to run (0: all)")
+    group.addoption("--fa-seed", type=int, default=0, help="the sample's seed")
+    group.addoption("--fa-report", default=None, help="write the per-function counts here (JSON)")
+
+
+def pytest_configure(config):
+    sys.path.insert(0, str(SHIM))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        del sys.modules[name]  # an installed FlashAttention must not stand in for kp's
+
+
+def _function(item) -> str:
+    return getattr(item, "originalname", None) or item.name.split("[")[0]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    kept, dropped = [], []
+    for item in items:
+        (dropped if _function(item) in PRIVATE else kept).append(item)
+    n = config.getoption("--fa-sample")
+    if 0 < n < len(kept):
+        chosen = set(random.Random(config.getoption("--fa-seed")).sample(range(len(kept)), n))
+        dropped += [item for i, item in enumerate(kept) if i not in chosen]
+        kept = [item for i, item in enumerate(kept) if i in chosen]
+    config._kp_fa = {"collected": len(items), "private": sorted({_function(i) for i in items} & set(PRIVATE))}
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if getattr(report, "when", "call") in ("call", "setup") and hasattr(report, "nodeid"):
+                if outcome == "passed" and report.when != "call":
+                    continue
+                name = report.nodeid.split("::")[-1].split("[")[0]
+                counts[name][outcome] += 1
+    info = getattr(config, "_kp_fa", {})
+    tr = terminalreporter
+    tr.section("FlashAttention's tests against kp_attention.flash_attn")
+    tr.write_line(
+        f"collected {info.get('collected', '?')}, sample of {config.getoption('--fa-sample')} "
+        f"(seed {config.getoption('--fa-seed')})"
+    )
+    for name in info.get("private", []):
+        tr.write_line(f"left out: {name} ({PRIVATE[name]})")
+    tr.write_line(f"{'test function':48s} {'passed':>7s} {'failed':>7s} {'skipped':>8s} {'error':>6s}")
+    for name in sorted(counts):
+        c = counts[name]
+        tr.write_line(f"{name:48s} {c['passed']:7d} {c['failed']:7d} {c['skipped']:8d} {c['error']:6d}")
+    path = config.getoption("--fa-report")
+    if path:
+        Path(path).write_text(json.dumps({k: dict(v) for k, v in sorted(counts.items())}, indent=1) + "\n")
