@@ -36,9 +36,8 @@ def _keep(seed, b, hq, sq, sk, p):
 
 
 CASES = [  # (b, sq, sk, hq, hkv, d, p, options)
-    (2, 67, 67, 2, 2, 32, 0.17, {}),
+    (2, 67, 50, 2, 1, 24, 0.17, {"window": (20, 5), "softcap": 4.0}),  # MQA, Sq > Sk
     (1, 45, 90, 4, 2, 16, 0.5, {"causal": True, "alibi": "head"}),  # GQA, Sq < Sk, ALiBi
-    (1, 70, 50, 2, 1, 24, 0.3, {"window": (20, 5), "softcap": 4.0}),
 ]
 
 
