@@ -59,11 +59,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for outcome in ("passed", "failed", "skipped", "error"):
         for report in terminalreporter.stats.get(outcome, []):
-            if getattr(report, "when", "call") in ("call", "setup") and hasattr(report, "nodeid"):
-                if outcome == "passed" and report.when != "call":
-                    continue
-                name = report.nodeid.split("::")[-1].split("[")[0]
-                counts[name][outcome] += 1
+            # a case's outcome: its call, or its setup where that skipped or failed it (there is no call then)
+            when = getattr(report, "when", None)
+            if hasattr(report, "nodeid") and (when == "call" or (when == "setup" and outcome != "passed")):
+                counts[report.nodeid.split("::")[-1].split("[")[0]][outcome] += 1
     info = getattr(config, "_kp_fa", {})
     tr = terminalreporter
     tr.section("FlashAttention's tests against kp_attention.flash_attn")

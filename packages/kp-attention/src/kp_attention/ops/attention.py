@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 import kp_core
-from kp_attention.ops import dropout
+from kp_attention.ops import decode, dropout
 
 if kp_core.has_triton():
     from kp_attention.ops import attention_bwd_kernels as bwd_kernels
@@ -169,30 +169,23 @@ def check_cu_seqlens(
     ):
         vals = cu.tolist()
         lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
+        longest = max(lens, default=0)  # the last pass's, cu_seqlens_k's, is the paged check's
         if vals[0] != 0:
             raise ValueError(f"{op}: {name} must start at 0, got {vals[0]}")
         if any(n < 0 for n in lens):
             raise ValueError(f"{op}: {name} must be non-decreasing, got {vals}")
         if total is not None and vals[-1] != total:
             raise ValueError(f"{op}: {name}[-1] must equal the packed length {total}, got {vals[-1]}")
-        if lens and max(lens) > max_len:
+        if longest > max_len:
             name_max = "max_seqlen_q" if name.endswith("q") else "max_seqlen_k"
-            raise ValueError(f"{op}: {name_max}={max_len} is smaller than the longest sequence ({max(lens)})")
+            raise ValueError(f"{op}: {name_max}={max_len} is smaller than the longest sequence ({longest})")
     if block_table is None:
         return
-    lens_k = (cu_k[1:] - cu_k[:-1]).long()
-    used = torch.arange(block_table.shape[1], device=cu_k.device)[None, :] * page < lens_k[:, None]
-    stats = torch.stack(
-        [
-            lens_k.max() if lens_k.numel() else lens_k.new_zeros(()),
-            (used & ((block_table < 0) | (block_table >= total_k))).sum(),
-        ]
-    )
-    longest, bad = stats.tolist()
     if longest > block_table.shape[1] * page:
         raise ValueError(
             f"{op}: a sequence of {longest} keys exceeds its block_table's {block_table.shape[1]} pages of {page}"
         )
+    bad = int(decode.pages_outside(block_table, cu_k[1:] - cu_k[:-1], page, total_k))
     if bad:
         raise ValueError(f"{op}: block_table has {bad} page ids in use outside [0, {total_k}) (the paged k/v)")
 

@@ -151,6 +151,13 @@ def check_inputs(device: Optional[torch.device] = None) -> None:
     _report(flag)
 
 
+def pages_outside(block_table: torch.Tensor, lengths: torch.Tensor, page: int, num_blocks: int) -> torch.Tensor:
+    """How many page ids that sequences of these lengths use (pages of `page` keys through block_table) lie outside
+    [0, num_blocks): a device scalar, for a value check to read back."""
+    used = torch.arange(block_table.shape[1], device=lengths.device)[None, :] * page < lengths.long()[:, None]
+    return (used & ((block_table < 0) | (block_table >= num_blocks))).sum()
+
+
 def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks, leftpad=None):
     """cache_seqlens + new within [0, capacity], cache_leftpad within [0, cache_seqlens] and, paged, the block ids
     in use within the cache: one sync (VALIDATE_VALUES = "sync", and the reference path)."""
@@ -161,9 +168,7 @@ def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks, l
     lo, hi = torch.aminmax(cache_seqlens)
     stats = [lo, hi]
     if block_table is not None:
-        lens = cache_seqlens.long()
-        used = torch.arange(block_table.shape[1], device=lens.device)[None, :] * page < (lens + new)[:, None]
-        stats.append((used & ((block_table < 0) | (block_table >= num_blocks))).sum().to(lo.dtype))
+        stats.append(pages_outside(block_table, cache_seqlens.long() + new, page, num_blocks).to(lo.dtype))
     if leftpad is not None:
         stats.append(((leftpad < 0) | (leftpad > cache_seqlens)).sum().to(lo.dtype))
     stats = torch.stack(stats).tolist()
