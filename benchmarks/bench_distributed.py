@@ -141,7 +141,10 @@ def main() -> None:
                 rows.append(dict(provider=KILLED, failed=str(err)[-1500:]))
             print(rows[-1], flush=True)
     meta = {"kernel": "distributed", "part": part, "model": MODEL, "steps": steps}
-    harness.publish("distributed" if part == "scaling" else f"distributed-{part}", meta, rows, render, plot)
+    name = "distributed" if part == "scaling" else f"distributed-{part}"
+    if part == "e2e" and E2E_GPUS != 2:  # the 2-GPU table keeps its own file
+        name += f"-{E2E_GPUS}gpu"
+    harness.publish(name, meta, rows, render, plot)
 
 
 def render(meta: dict, rows: list[dict]) -> str:
