@@ -74,7 +74,12 @@ def providers() -> dict:
 
     out = {
         "kp": lambda q, k, v, causal, window: kp_attention.flash_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, window=(window, 0 if causal else -1)
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            causal=causal,
+            window=(window, 0 if causal else -1),
+            backend="kp",
         ).transpose(1, 2),
         "sdpa flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),

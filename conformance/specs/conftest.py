@@ -10,10 +10,14 @@ if "TRITON_INTERPRET" not in os.environ and os.environ.get("KP_DEVICE", "") != "
         os.environ["TRITON_INTERPRET"] = "1"
 
 import kp_conformance  # noqa: E402
+import kp_core  # noqa: E402
 
 pytest_plugins = ["kp_conformance.plugin"]
 
 kp_conformance.register_profiles()
+
+# The specs check kp's kernels: kp_attention's backend="auto" (its default) must not hand a call to torch's SDPA.
+kp_core.pin("attention_backend", backend="kp")
 
 # Canary-guarded kernel arguments and checksummed op inputs for every spec (KP_GUARD=0: off).
 kp_conformance.guard.install()

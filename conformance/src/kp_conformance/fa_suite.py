@@ -31,6 +31,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    import kp_core
+
+    kp_core.pin("attention_backend", backend="kp")  # the suite checks kp's kernels, never torch's SDPA for them
     sys.path.insert(0, str(SHIM))
     for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
         del sys.modules[name]  # an installed FlashAttention must not stand in for kp's

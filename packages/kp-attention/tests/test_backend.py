@@ -3,10 +3,13 @@ choice per signature (timings injected through kp_attention.backend.timer), and 
 measurement is exercised by the benchmarks; off a GPU torch's fused kernels cannot take a call, so these tests
 let backend.torch_refuses accept it (torch's math kernel then runs)."""
 
+import inspect
+
 import pytest
 import torch
 
 import kp_attention
+import kp_attention.flash_attn as fa
 import kp_core
 from kp_attention import backend
 
@@ -34,6 +37,7 @@ def accepted(monkeypatch):
     monkeypatch.setattr(backend, "torch_refuses", lambda *a, **kw: None)
     monkeypatch.setattr(backend, "timer", fake_timer)
     backend.forget()
+    kp_core.unpin("attention_backend")  # conftest pins "kp" for every other test
     yield times, timed
     backend.forget()
 
@@ -75,6 +79,31 @@ def test_pinned_setting_overrides_the_argument(accepted):
     assert rec.backends("kp::flash_attention") and not timed
 
 
+def test_auto_is_the_default_of_every_entry_point(accepted):
+    """flash_attention, the SDPA drop-in, the FlashAttention-compatible module and the HF patch's calls."""
+    times, timed = accepted
+    times["torch"] = 0.5
+    q, k, v = _qkv()
+    t = [x.transpose(1, 2) for x in (q, k, v)]
+    calls = {
+        "kp_attention.flash_attention": lambda: kp_attention.flash_attention(q, k, v, causal=True),
+        "kp_attention.scaled_dot_product_attention": lambda: kp_attention.scaled_dot_product_attention(
+            *t, is_causal=True, enable_gqa=True
+        ),
+        "flash_attn_func": lambda: fa.flash_attn_func(q, k, v, causal=True),
+    }
+    for name, call in calls.items():
+        call()  # measures: both run once
+        with kp_core.record_launches() as rec:
+            call()
+        assert not rec.backends("kp::flash_attention"), f"{name}: torch was measured faster, kp's kernel ran"
+    assert {key[0] for key in backend.decided()} == {
+        "kp_attention.flash_attention",
+        "kp_attention.scaled_dot_product_attention",
+    }, "flash_attn_func goes through flash_attention"
+    assert inspect.signature(kp_attention.patch).parameters["backend"].default == "auto"
+
+
 def test_what_torch_cannot_take_runs_kp_whatever_is_asked():
     q, k, v = _qkv()
     with kp_core.record_launches() as rec:
@@ -88,9 +117,14 @@ def test_what_torch_cannot_take_runs_kp_whatever_is_asked():
             (dict(softcap=1.0), "softcap"),
             (dict(window=(8, 0)), "window"),
             (dict(lse=True), "lse"),
+            (dict(dropout=True), "dropout"),
         ):
             args = dict(causal=True, window=(-1, 0), softcap=0.0, alibi=None, mask=None, lse=False) | kw
             assert what in backend.torch_refuses(gpu_q, gpu_q, **args)
+        # causal with Sq != Sk: FlashAttention's diagonal is bottom-right, torch's (and the SDPA drop-in's) top-left
+        args = dict(causal=True, window=(-1, 0), softcap=0.0, alibi=None, mask=None, lse=False)
+        assert "top-left" in backend.torch_refuses(gpu_q, gpu_q[:, :5], **args)
+        assert backend.torch_refuses(gpu_q, gpu_q[:, :5], top_left=True, **args) is None
 
 
 def test_bad_backend_names_itself():

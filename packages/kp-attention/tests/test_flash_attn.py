@@ -90,18 +90,28 @@ def test_kvcache_defaults_to_flashattentions_non_causal_call():
     assert torch.equal(fa.flash_attn_with_kvcache(q, kc, vc), whole)
 
 
-def test_cache_batch_idx_reads_and_appends_the_rows_it_names():
+def test_window_size_may_be_a_tensor_pair():
+    """FlashAttention's own tests draw window_size with torch.randint(0, seqlen_k, (2,))."""
+    q = _randn(1, 20, 2, 16, seed=5)
+    want = fa.flash_attn_func(q, q, q, window_size=(3, 2))
+    assert torch.equal(fa.flash_attn_func(q, q, q, window_size=torch.tensor([3, 2])), want)
+    with pytest.raises(ValueError, match="window must be a pair of ints"):
+        fa.flash_attn_func(q, q, q, window_size=torch.tensor([3.0, 2.0]))
+
+
+@pytest.mark.parametrize("length", [32, 39])  # any cache length (39: no multiple of the 16-key blocks)
+def test_cache_batch_idx_reads_and_appends_the_rows_it_names(length):
     q, k, v = _randn(2, 2, 4, 32, seed=10), _randn(2, 2, 2, 32, seed=11), _randn(2, 2, 2, 32, seed=12)
-    kc, vc = _randn(3, 32, 2, 32, seed=13), _randn(3, 32, 2, 32, seed=14)
+    kc, vc = _randn(3, length, 2, 32, seed=13), _randn(3, length, 2, 32, seed=14)
     idx = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([9, 30], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([9, length - 2], dtype=torch.int32, device=DEVICE)
     kc_rows, vc_rows = kc[idx.long()].clone(), vc[idx.long()].clone()  # the sequences' own caches, gathered
     want = kp_attention.flash_attention_with_kvcache(q, kc_rows, vc_rows, lens, k=k, v=v, causal=True)
     got = fa.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, cache_batch_idx=idx, causal=True)
     assert torch.equal(got, want)
     # the new tokens went into the named rows of the caller's cache, nowhere else
     assert torch.equal(kc[idx.long()], kc_rows) and torch.equal(vc[idx.long()], vc_rows)
-    assert torch.equal(kc[1], _randn(3, 32, 2, 32, seed=13)[1])
+    assert torch.equal(kc[1], _randn(3, length, 2, 32, seed=13)[1])
 
 
 def _rotary_complex(x, cos, sin, positions, interleaved):
@@ -167,12 +177,13 @@ def test_bad_packed_and_rotary_arguments_name_themselves(monkeypatch):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_batch_idx=torch.zeros(1, device=DEVICE))
 
 
-def test_cache_leftpad_starts_each_sequence_and_its_rotary_positions_there(monkeypatch):
+def test_cache_leftpad_starts_each_sequence_and_rotary_positions_stay_the_rows(monkeypatch):
     sq = 2
     q, k, v, kc, vc, cos, sin = _decode_case(sq, 32, seed=20)
     lens = torch.tensor([10, 40], dtype=torch.int32, device=DEVICE)
     pad = torch.tensor([4, 0], dtype=torch.int32, device=DEVICE)
-    pos = (lens - pad).long()[:, None] + torch.arange(sq, device=DEVICE)  # positions count from the first row
+    # FlashAttention's positions are the cache rows, cache_leftpad or not (its own test's reference says so)
+    pos = lens.long()[:, None] + torch.arange(sq, device=DEVICE)
     q_rot = _rotary_complex(q, cos, sin, pos, False).to(DTYPE)
     k_rot = _rotary_complex(k, cos, sin, pos, False).to(DTYPE)
     kc_want, vc_want = kc.clone(), vc.clone()

@@ -1,15 +1,18 @@
 """Which implementation runs an attention call: kp's kernel, or PyTorch's fused SDPA (cuDNN, flash) where it can
 stand for the call and was measured faster.
 
-    backend="kp"     kp's kernel (today's default; tests and benchmarks pin it)
+    backend="auto"   the default: per call signature (shapes, dtype, causal, whether a backward follows, the GPU),
+                     the faster of the two, measured once on random tensors of that signature and kept for the
+                     process
+    backend="kp"     kp's kernel (tests and benchmarks pin it)
     backend="torch"  torch.nn.functional.scaled_dot_product_attention, where it can stand for the call
-    backend="auto"   per call signature (shapes, dtype, causal, whether a backward follows, the GPU), the faster of
-                     the two, measured once on random tensors of that signature and kept for the process
 
 PyTorch's fused kernels stand for a call only where they give what kp gives: fp16/bf16 on a CUDA device, no
-softcap, ALiBi, window or mask (a row a mask hides entirely is NaN there and 0 in kp), causal only with Sq == Sk
-(torch's diagonal is top-left, kp's bottom-right), and no lse asked for. Anything else runs kp's kernel, whatever
-the backend asked. `kp_core.pinned("attention_backend", backend=...)` overrides the argument (the suites pin "kp").
+softcap, ALiBi, window, dropout or mask (a row a mask hides entirely is NaN there and 0 in kp), causal with
+Sq != Sk only where the call's diagonal is top-left as torch's (the SDPA drop-in; FlashAttention's is
+bottom-right), and no lse asked for. Anything else runs kp's kernel, whatever the backend asked: off a GPU "auto"
+is kp's kernel and costs nothing. `kp_core.pin("attention_backend", backend=...)` overrides the argument (kp's own
+test suites and the conformance specs pin "kp", so that they check kp's kernel).
 
 The measurement runs on fresh random tensors, so it also runs while torch.compile traces the call (on real tensors,
 outside the trace), but not under CUDA graph capture, where the call runs kp's kernel and the signature stays
@@ -37,9 +40,12 @@ def check(op: str, backend) -> None:
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def torch_refuses(q, k, *, causal: bool, window, softcap: float, alibi, mask, lse: bool) -> str | None:
+def torch_refuses(
+    q, k, *, causal: bool, window, softcap: float, alibi, mask, lse: bool, dropout: bool = False, top_left=False
+) -> str | None:
     """Why PyTorch's fused SDPA cannot stand for this call of q (B, Sq, Hq, D), k (B, Sk, Hkv, D); None if it can.
-    window: the call's (left, right) after causal ((-1, 0) when causal)."""
+    window: the call's (left, right) after causal ((-1, 0) when causal); top_left: the call's causal diagonal is
+    torch's (the SDPA drop-in)."""
     if not q.is_cuda:
         return "not on a CUDA device"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -47,9 +53,11 @@ def torch_refuses(q, k, *, causal: bool, window, softcap: float, alibi, mask, ls
     for what, present in (("softcap", softcap > 0), ("ALiBi", alibi is not None), ("a mask", mask is not None)):
         if present:
             return f"{what} (torch's fused kernels have none, or give NaN where kp gives 0)"
+    if dropout:
+        return "dropout (kp draws its mask its own way: the same call gives the same values on either backend)"
     if tuple(window) != ((-1, 0) if causal else (-1, -1)):
         return "a sliding window"
-    if causal and q.shape[1] != k.shape[1]:
+    if causal and q.shape[1] != k.shape[1] and not top_left:
         return "causal with Sq != Sk (torch's diagonal is top-left)"
     if lse:
         return "lse asked for"

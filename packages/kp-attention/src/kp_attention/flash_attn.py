@@ -18,7 +18,8 @@ deterministic (kp's backward is always deterministic), dropout (kp_attention.ops
 torch's generator per call, the same mask again in the backward), varlen, paged KV caches (block_table) and new
 tokens appended in place in flash_attn_with_kvcache, rotary embedding there (rotary_cos / rotary_sin, interleaved or
 not; applied with PyTorch ops before the kernel), and cache_batch_idx (the cache read as one page per sequence, so
-new tokens still land in the cache itself), cache_leftpad (rotary positions then count from it), and paged k/v in
+new tokens still land in the cache itself), cache_leftpad (rotary positions stay the cache rows, as
+FlashAttention's: a token at row r turns by angle r), and paged k/v in
 flash_attn_varlen_func (block_table; forward only, as FlashAttention's).
 """
 
@@ -28,7 +29,6 @@ import torch
 
 from kp_attention.functional import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
 from kp_attention.ops import attention, decode, dropout
-from kp_attention.ops.decode import PAGE_MULTIPLE
 
 __all__ = [
     "flash_attn_func",
@@ -62,7 +62,7 @@ def _signed_probs(q, k, seed, dropout_p, scale, causal, window, softcap, alibi, 
 
 def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, probs):
     seed = _seed(q, dropout_p)
-    out, lse = flash_attention(
+    result = flash_attention(
         q,
         k,
         v,
@@ -73,11 +73,12 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         alibi_slopes=alibi_slopes,
         dropout_p=dropout_p,
         dropout_seed=seed,
-        return_lse=True,
+        return_lse=probs,  # without lse torch's fused SDPA may take the call (backend "auto")
         deterministic=deterministic,
     )
     if not probs:
-        return out
+        return result
+    out, lse = result
     if seed is None:
         return out, lse, None
     with torch.no_grad():
@@ -356,11 +357,6 @@ def flash_attn_with_kvcache(
                 f"kp_attention.flash_attn.{KV_FN}: cache_batch_idx must be 1-D (batch,), got shape "
                 f"{tuple(cache_batch_idx.shape)}"
             )
-        if k_cache.dim() == 4 and k_cache.shape[1] % PAGE_MULTIPLE:
-            raise NotImplementedError(
-                f"kp_attention.flash_attn.{KV_FN}: cache_batch_idx needs the cache's seqlen (dim 1) to be a multiple "
-                f"of {PAGE_MULTIPLE}, got {k_cache.shape[1]}"
-            )
         # each cache row is one page of a paged cache: sequence b reads and appends to row cache_batch_idx[b]
         block_table = cache_batch_idx.reshape(-1, 1)
     if cache_seqlens is None:  # the whole cache
@@ -371,13 +367,11 @@ def flash_attn_with_kvcache(
         if not isinstance(start, torch.Tensor):
             start = torch.full((q.shape[0],), start, device=q.device)
         start = start.long()[:, None]
-        if cache_leftpad is not None:  # a token's position counts from its sequence's first row
-            start = start - cache_leftpad.long()[:, None]
         _check_rotary_reach(start, max(k.shape[1], q.shape[1]), rotary_cos.shape[0])
         steps_k = torch.arange(k.shape[1], device=q.device)
         k = _rotate(k, rotary_cos, rotary_sin, start + steps_k, rotary_interleaved)
         # causal or local: query i sits at cache_seqlens + i; otherwise every query at cache_seqlens
-        local = causal or tuple(window_size) != (-1, -1)
+        local = causal or tuple(int(w) for w in window_size) != (-1, -1)
         steps_q = torch.arange(q.shape[1], device=q.device) * int(local)
         q = _rotate(q, rotary_cos, rotary_sin, start + steps_q, rotary_interleaved)
     return flash_attention_with_kvcache(
@@ -389,7 +383,7 @@ def flash_attn_with_kvcache(
         v=v,
         block_table=block_table,
         causal=causal,
-        window=tuple(window_size),
+        window=tuple(window_size.tolist() if isinstance(window_size, torch.Tensor) else window_size),
         softcap=softcap,
         scale=softmax_scale,
         alibi_slopes=alibi_slopes,

@@ -81,6 +81,8 @@ def _dropout_seed(op: str, dropout_p, dropout_seed, q: torch.Tensor) -> Optional
 def _check_options(op: str, causal, window, softcap, scale, d: int) -> Params:
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+    if isinstance(window, torch.Tensor) and window.shape == (2,) and not window.is_floating_point():
+        window = tuple(window.tolist())  # FlashAttention's tests pass torch.randint(...) pairs
     if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(_is_int(w) for w in window)):
         raise ValueError(f"{op}: window must be a pair of ints (left, right), got {window!r}")
     left, right = window
@@ -111,7 +113,7 @@ def flash_attention(
     dropout_seed: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
-    backend: str = "kp",
+    backend: str = "auto",
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """FlashAttention's `flash_attn_func`: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), any strides.
 
@@ -130,8 +132,9 @@ def flash_attention(
     logsumexp of the (scaled, softcapped) scores. lse is differentiable. Rows with no visible key (possible when
     Sq > Sk under causal/window masks) give out 0, lse -inf and zero gradients.
     deterministic is accepted for FlashAttention compatibility and always satisfied: the backward uses no atomics.
-    backend: "kp" (kp's kernel), "torch" or "auto" (PyTorch's fused SDPA where it can stand for the call, always or
-    when measured faster: kp_attention.backend).
+    backend: "auto" (PyTorch's fused SDPA where it can stand for the call and was measured faster for its
+    signature, once; kp's kernel otherwise), "kp" (kp's kernel) or "torch" (PyTorch's where it can stand for the
+    call): kp_attention.backend.
     """
     op = "kp_attention.flash_attention"
     backends.check(op, backend)
@@ -149,10 +152,8 @@ def flash_attention(
     backend = kp_core.settings("attention_backend", backend=backend)["backend"]
     if backend != backends.KP:  # kp's kernel needs no look at the call (the default: no host cost added)
         window = (p.window_left, p.window_right)
-        refused = backends.torch_refuses(
-            q, k, causal=causal, window=window, softcap=p.softcap, alibi=alibi_slopes, mask=None, lse=return_lse
-        )
-        refused = refused or ("dropout (kp's mask is drawn its own way)" if seed is not None else None)
+        options = dict(softcap=p.softcap, alibi=alibi_slopes, mask=None, lse=return_lse, dropout=seed is not None)
+        refused = backends.torch_refuses(q, k, causal=causal, window=window, **options)
         run = lambda *t: run_kp(*t)[0]  # noqa: E731
         if backends.choose(op, backend, refused, q, k, v, causal, p.scale, run) == backends.TORCH:
             return backends.torch_attention(q, k, v, causal=causal, scale=p.scale)
@@ -260,6 +261,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     softcap: float = 0.0,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention`: query (..., L, E), key (..., S, E), value
     (..., S, Ev), any strides, the leading dimensions broadcast against each other as in torch (dim -3 is the heads
@@ -274,8 +276,12 @@ def scaled_dot_product_attention(
     one, and Ev != E (the shorter head dim is zero-padded), cost a copy.
     softcap (keyword only, not torch's): softcap * tanh(s / softcap) of the scaled scores before the mask is
     added, as Hugging Face's eager attention does for Gemma 2.
+    backend (keyword only): "auto" (torch's own fused SDPA on this call where it can stand for it, no mask, dropout
+    or softcap, and was measured faster for its signature; kp's kernel otherwise), "kp" or "torch", as in
+    flash_attention.
     """
     op = "kp_attention.scaled_dot_product_attention"
+    backends.check(op, backend)
     if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not (0 <= softcap < math.inf):
         raise ValueError(f"{op}: softcap must be a finite float >= 0 (0: off), got {softcap!r}")
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -330,6 +336,17 @@ def scaled_dot_product_attention(
         v = torch.nn.functional.pad(v, (0, d - ev))
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     args = (scale, float(softcap), -1, 0 if is_causal else -1, False, float(dropout_p))
+    backend = kp_core.settings("attention_backend", backend=backend)["backend"]
+    if backend != backends.KP:
+        window = (-1, 0 if is_causal else -1)
+        options = dict(softcap=softcap, alibi=None, mask=mask, lse=False, dropout=seed is not None, top_left=True)
+        refused = backends.torch_refuses(qt, kt, causal=is_causal, window=window, **options)
+        refused = refused or ("key and value head dims differ" if e != ev else None)
+        run = lambda *t: FLASH(*t, None, None, None, *args)[0]  # noqa: E731
+        if backends.choose(op, backend, refused, qt, kt, vt, is_causal, scale, run) == backends.TORCH:
+            return torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+            )
     out = FLASH(qt, kt, vt, mask, None, seed, *args)[0]
     out = out.transpose(1, 2)[..., :ev].reshape(*batch, hq, lq, ev)
     return out.squeeze(0) if two_d else out
@@ -423,9 +440,10 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window
     else:
         if block_table.shape[0] != batch:
             raise ValueError(f"{KV_OP}: block_table batch ({block_table.shape[0]}) must equal q's batch ({batch})")
-        if page % PAGE_MULTIPLE != 0:
+        if page % PAGE_MULTIPLE != 0 and block_table.shape[1] > 1:
             raise ValueError(
-                f"{KV_OP}: paged k_cache block_size (dim 1) must be a multiple of {PAGE_MULTIPLE}, got {page}"
+                f"{KV_OP}: paged k_cache block_size (dim 1) must be a multiple of {PAGE_MULTIPLE} where block_table "
+                f"has more than one page per sequence, got {page}"
             )
         capacity = block_table.shape[1] * page
     if isinstance(cache_seqlens, torch.Tensor):
@@ -471,7 +489,8 @@ def flash_attention_with_kvcache(
     """Attention of a few new queries over a KV cache (FlashAttention's `flash_attn_with_kvcache`), inference only.
 
     q: (B, Sq, Hq, D), Sq small (1 for decoding). k_cache / v_cache: (B, S_max, Hkv, D), or paged
-    (num_blocks, block_size, Hkv, D) with block_table (B, max_blocks_per_seq) int32 (block_size a multiple of 16).
+    (num_blocks, block_size, Hkv, D) with block_table (B, max_blocks_per_seq) int32 (block_size a multiple of 16,
+    or any size with one page per sequence).
     cache_seqlens: int32 (B,) or an int, the valid cached tokens per sequence. Hq % Hkv == 0, D <= 256.
     k, v: optional new tokens (B, Sq_new, Hkv, D), written IN PLACE into k_cache / v_cache at positions
     cache_seqlens[b] ... before attending (cache_seqlens itself is not changed); the sequence then has

@@ -46,7 +46,7 @@ def kp_attention_forward(
         causal = bool(causal) and query.shape[2] > 1
         # transformers' sliding window keeps keys with kv_idx > q_idx - window: `window - 1` to the left.
         left = window - 1 if window else -1
-        backend = getattr(module.config, BACKEND_ATTR, "kp")
+        backend = getattr(module.config, BACKEND_ATTR, "auto")
         out = flash_attention(
             q,
             k,
@@ -76,7 +76,7 @@ def register() -> str:
     return NAME
 
 
-def patch(model: nn.Module, backend: str = "kp") -> str:
+def patch(model: nn.Module, backend: str = "auto") -> str:
     """Switch a transformers model (Llama family and any model using the attention registry) to kp's attention.
     backend: what its mask-free calls run (kp_attention.backend: "kp", "torch" or "auto"). Returns the
     implementation it replaced (e.g. "sdpa"); `unpatch` restores it."""

@@ -224,7 +224,7 @@ def _module_swap(site: Site, new: nn.Module, gain_ms: float, family: str) -> Swa
 def _attention_switch(gain_ms: float) -> Swap:
     def apply(model: nn.Module, undo: list) -> None:
         root = next(m for m in model.modules() if hasattr(m, "set_attn_implementation"))
-        kp_attention.patch(root)
+        kp_attention.patch(root, backend="kp")  # kp.optimize measures kp's kernel itself
         undo.append((ATTENTION_LAYERS, lambda: kp_attention.unpatch(root)))
 
     return Swap(ATTENTION_LAYERS, -1, gain_ms, apply, "attention")

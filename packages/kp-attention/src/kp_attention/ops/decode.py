@@ -33,6 +33,16 @@ SPEC = "decode"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 PAGE_MULTIPLE = 16  # paged block_size must be a multiple of this (the smallest BLOCK_N tl.dot takes)
+# A table of one page per sequence (FlashAttention's cache_batch_idx) takes any block_size: the kernels see this
+# page size, so every key's page index is 0 and its slot its position (one compiled kernel for any cache length).
+ONE_PAGE = 1 << 30
+
+
+def kernel_page(k_cache: torch.Tensor, block_table: torch.Tensor) -> int:
+    """The PAGE the kernels are given for this paged cache (see ONE_PAGE)."""
+    return ONE_PAGE if block_table.shape[1] == 1 else k_cache.shape[1]
+
+
 MAX_SPLITS = 256
 # The values of cache_seqlens, cache_leftpad and block_table. The kernels stay in bounds for any value: a sequence
 # with a bad length, start or block id gets NaN rows, its new k / v are not written, and the split kernel sets a
@@ -220,7 +230,7 @@ def _launch_append(backend, k_cache, v_cache, cache_seqlens, k, v, block_table, 
             D=d,
             BLOCK_H=max(1, min(kp_core.next_power_of_2(hkv), 4096 // block_d)),
             BLOCK_D=block_d,
-            PAGE=k_cache.shape[1] if paged else 1,
+            PAGE=kernel_page(k_cache, block_table) if paged else 1,
             PAGED=paged,
         ),
         4,
@@ -339,7 +349,8 @@ def forward(
     # Splits are counted in blocks of the smallest BLOCK_N (16) and capped again once the tile is known.
     splits = num_splits if num_splits > 0 else auto_num_splits(q.device, programs, kp_core.cdiv(capacity, 16))
     tiles = _split_settings(block_d, q.element_size(), capacity // max(1, splits))
-    block_n = min(tiles["block_n"], page & -page) if paged else tiles["block_n"]  # a block of keys in one page
+    kpage = kernel_page(k_cache, block_table) if paged else ONE_PAGE
+    block_n = min(tiles["block_n"], kpage & -kpage)  # a block of keys in one page
     max_blocks = kp_core.cdiv(capacity, block_n)
     splits = max(1, min(splits, max_blocks, 65535))
     out = q.new_empty((batch, sq, hq, d))
@@ -398,7 +409,7 @@ def forward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        PAGE=page if paged else 1,
+        PAGE=kpage if paged else 1,
         PAGED=paged,
         HAS_LEFT=window_left >= 0,
         HAS_RIGHT=right >= 0,

@@ -48,8 +48,9 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def philox(seed: int, c0, c1, c2, c3, rounds: int = 10) -> tuple[torch.Tensor, ...]:
     """Philox-4x32 of counters c0..c3 (int64 tensors of 32-bit values, broadcast together) under the 64-bit key
     `seed`: the four output words as int64 tensors in [0, 2^32)."""
+    device = next((c.device for c in (c0, c1, c2, c3) if isinstance(c, torch.Tensor)), None)
     c0, c1, c2, c3 = torch.broadcast_tensors(
-        *(torch.as_tensor(c, dtype=torch.int64) & MASK32 for c in (c0, c1, c2, c3))
+        *(torch.as_tensor(c, dtype=torch.int64, device=device) & MASK32 for c in (c0, c1, c2, c3))
     )
     k0, k1 = seed & MASK32, (seed >> 32) & MASK32
     for _ in range(rounds):
