@@ -367,9 +367,10 @@ def test_bad_values_raise_at_once_in_sync_mode(what, call, words, monkeypatch):
 
 
 @pytest.mark.parametrize("what,call,words", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
-def test_bad_values_are_reported_later_without_a_sync(what, call, words):
+def test_bad_values_are_reported_later_without_a_sync(what, call, words, monkeypatch):
     """By default the call does not read the values back: the kernel flags them, check_inputs() (or a later call,
     once the flag's copy has landed) raises, and the flag is cleared."""
+    monkeypatch.setattr(decode, "REPORT_EVERY", 1)  # every call's turn (the period: the test below)
     decode.check_inputs(torch.device(DEVICE))  # nothing pending from earlier tests
     with kp_core.record_launches() as rec:
         call()  # no error here: the host never waited for the values
@@ -382,6 +383,26 @@ def test_bad_values_are_reported_later_without_a_sync(what, call, words):
         torch.cuda.synchronize()
     with pytest.raises(ValueError, match="earlier call"):  # the next call reports it, its copy having landed
         fa(Q, KC, KC, SL)
+
+
+def test_the_flag_is_copied_back_once_every_report_every_calls(monkeypatch):
+    """Between two turns a call adds no host work (no copy, no event); a bad value is still reported, at a turn."""
+    device = torch.device(DEVICE)
+    decode.check_inputs(device)
+    decode._flag(device).calls = 0
+    copies, copy_back = [], decode._copy_back
+    monkeypatch.setattr(decode, "_copy_back", lambda flag: copies.append(1) or copy_back(flag))
+    for _ in range(2 * decode.REPORT_EVERY):
+        fa(Q, KC, KC, SL)
+    # the first call and call REPORT_EVERY + 1 copy (the second only once the first copy has landed)
+    assert 1 <= len(copies) <= 2 and (DEVICE == "cuda" or len(copies) == 2)
+    BAD_VALUES[0][1]()  # no error here
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="earlier call"):
+        for _ in range(2 * decode.REPORT_EVERY + 1):  # its flag copied at the next turn, reported at the one after
+            fa(Q, KC, KC, SL)
+    decode.check_inputs(device)
 
 
 def test_registered():

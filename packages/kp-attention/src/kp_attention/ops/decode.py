@@ -51,6 +51,10 @@ MAX_SPLITS = 256
 # values back first and raises before launching (one device sync a call: at batch 1 more than the attention
 # costs; a debug mode). False: no flag copied back either. Graph capture and torch.compile skip the host side.
 VALIDATE_VALUES = True
+# Eager calls per flag copy: the first call and every REPORT_EVERY-th after it look at the last copy and copy the
+# flag back again; the calls between add no host work (at batch 1 a copy and its event cost about as much host time
+# as the attention itself). A bad value is so reported within about REPORT_EVERY calls, or by check_inputs().
+REPORT_EVERY = 16
 WAVES = 3  # auto num_splits aims at this many programs per SM (B * Hkv * splits ~ WAVES * SMs)
 MAX_BLOCK_M = 64  # query rows (group * Sq) per program; more rows take several programs
 
@@ -92,6 +96,12 @@ class _Flag:
         self.host = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
         self.pending = False
+        self.calls = 0
+
+    def turn(self) -> bool:
+        """Whether this eager call reports the landed copy and copies the flag back (see REPORT_EVERY)."""
+        self.calls += 1
+        return (self.calls - 1) % REPORT_EVERY == 0
 
 
 _FLAGS: dict = {}
@@ -326,6 +336,7 @@ def forward(
     if reference or VALIDATE_VALUES == "sync":  # the reference path indexes with the values: checked first
         _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks, cache_leftpad)
     flag, bad = _bad_input_flag(q)
+    flag = flag if flag is not None and flag.turn() else None  # this call's turn to report and copy back
     if flag is not None:
         _report(flag)
     if reference:
@@ -434,7 +445,7 @@ def forward(
             dict(D=d, BLOCK_S=block_s, BLOCK_D=block_d_c, IEEE=q.dtype == torch.float32),
             4 if block_s * block_d_c >= 2048 else 2,
         )
-    if flag is not None:
+    if flag is not None and not flag.pending:
         _copy_back(flag)
     return out, lse
 
