@@ -76,7 +76,8 @@ def _split_settings(block_d: int, element_size: int, keys_per_program: int) -> d
 
 def auto_num_splits(device: torch.device, programs: int, max_blocks: int) -> int:
     """Splits so that programs * splits fills ~WAVES programs per SM (a small count off-GPU, where the
-    interpreter runs programs one after another), never more than the key blocks a sequence can have."""
+    interpreter runs programs one after another), never more than the key blocks a sequence can have. The rule,
+    and how it differs from FlashAttention's num_splits_heuristic: docs/ops/decode.md, "The split count"."""
     if device.type == "cuda":
         slots = WAVES * kp_core.sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
