@@ -69,18 +69,30 @@ def _flex():
     return run
 
 
+def _kp(q, k, v, causal, window):
+    return kp_attention.flash_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        causal=causal,
+        window=(window, 0 if causal else -1),
+        backend="kp",
+    ).transpose(1, 2)
+
+
+def _kp_tma(q, k, v, causal, window):
+    """kp with the forward's tiles read through TMA descriptors (attention.FWD_TMA, off by default until this
+    row says it is faster); the backward is the same as kp's."""
+    with kp_core.pinned("_attn_fwd", tma=True):
+        return _kp(q, k, v, causal, window)
+
+
 def providers() -> dict:
     from torch.nn.attention import SDPBackend
 
     out = {
-        "kp": lambda q, k, v, causal, window: kp_attention.flash_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            causal=causal,
-            window=(window, 0 if causal else -1),
-            backend="kp",
-        ).transpose(1, 2),
+        "kp": _kp,
+        "kp tma": _kp_tma,
         "sdpa flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
@@ -142,7 +154,9 @@ def run_dense(quick: bool, only: list[str] | None = None) -> list[dict]:
             torch.randn(b, h, s, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True) for h in (hq, hkv, hkv)
         )
         flops = 4 * b * hq * HEAD_DIM * visible_pairs(s, s, causal, window)
-        check_correct(provs["kp"], q, k, v, causal, window)
+        for name in provs:
+            if name.startswith("kp"):
+                check_correct(provs[name], q, k, v, causal, window)
         for (name, fn), mode in itertools.product(provs.items(), ("fwd", "fwd+bwd")):
             row = dict(case=c["name"], B=b, S=s, Hq=hq, Hkv=hkv, causal=c["causal"], window=window)
             try:

@@ -201,6 +201,8 @@ SWITCHES = [
     ("softcap", (1, 45, 77, 2, 1, 80), {"softcap": 7.0, "causal": True}, None),
     ("ALiBi per (batch, head) (MASK_KIND 3)", (2, 70, 90, 4, 2, 32), {"alibi_slopes": "batch"}, None),
     ("dropout (DROPOUT), causal, GQA", (2, 70, 90, 4, 2, 32), {"causal": True, "dropout_p": 0.2}, None),
+    # the forward's tiles through TMA descriptors (off by default: pinned here), fp16/bf16
+    ("TMA loads (TMA), causal, GQA", (2, 77, 100, 4, 2, 32), {"causal": True, "tma": True}, None),
     ("top-left causal (SDPA is_causal)", (1, 40, 70, 2, 2, 32), {}, {"is_causal": True}),
     # fp32 runs a boolean mask as the additive mask it equals (MASK_KIND 2; attention._mask_args says why)
     ("boolean mask (MASK_KIND 1)", (2, 33, 47, 2, 2, 32), {}, {"attn_mask": "bool"}),
@@ -216,6 +218,13 @@ def test_every_switch(dtype, what, shape, options, sdpa):
     b, sq, sk, hq, hkv, d = shape
     c = dict(b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, layout="contiguous", seed=sum(shape))
     q, k, v = make_qkv(c, dtype)
+    options = dict(options)
+    if options.pop("tma", False):
+        if dtype == torch.float32:
+            pytest.skip("TMA: fp16/bf16 only (fp32 keeps its pointer loads)")
+        assert attention_mod.tma_ok(q, k, v, varlen=False, paged=False)
+        with kp_core.pinned("_attn_fwd", tma=True):
+            return test_every_switch(dtype, what, shape, options, sdpa)
     if "alibi_slopes" in options:
         options = {**options, "alibi_slopes": kc.alibi_slopes(options["alibi_slopes"], b, hq, 11, DEVICE)}
     if sdpa is None:

@@ -91,6 +91,45 @@ def test_forward_lse_and_grads_match_float64(case, dtype):
     check_dense(*shape, dtype, **kw)
 
 
+TMA_CASES = [  # head dims of a power of 2: the descriptors' condition
+    (2, 97, 97, 2, 2, 64, {}),
+    (1, 113, 203, 4, 2, 32, {"causal": True}),  # GQA, Sq < Sk, lengths off the blocks (zero-filled tails)
+    (1, 130, 90, 3, 1, 16, {"window": (17, 9), "softcap": 5.0}),  # MQA, Sq > Sk
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"{c[:6]}{c[6]}")
+def test_tma_forward_matches_float64_and_the_pointer_loads(case, dtype, monkeypatch):
+    """The forward's TMA switch (off by default): it runs where pinned, by the rule against float64 (gradients
+    through the usual backward), and gives the pointer loads' values (the same maths on the same tiles)."""
+    skip_if_not_covered(dtype, uses_dot=True)
+    *shape, kw = case
+    q, k, v, _ = make(*shape, dtype)
+    assert attention.tma_ok(q, k, v, varlen=False, paged=False)
+    switches, launch = [], kp_core.launch
+    monkeypatch.setattr(kp_core, "launch", lambda *a, **k_: switches.append(a[5].get("TMA")) or launch(*a, **k_))
+    with kp_core.pinned("_attn_fwd", tma=True):
+        got = check_dense(*shape, dtype, **kw)
+    assert switches[0] is True, "the forward must have taken the TMA switch"
+    out, lse = kp_attention.flash_attention(q, k, v, return_lse=True, **kw)
+    assert switches[-1] is False, "off by default"
+    if KERNEL == kp_core.INTERPRET:  # on a GPU the tiles reach the MMA by another route: the rule above judges
+        assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+
+
+def test_tma_is_refused_where_descriptors_cannot_address_the_tensors():
+    q = randn(1, 40, 2, 64, dtype=torch.float16)
+    assert attention.tma_ok(q, q, q, varlen=False, paged=False)
+    odd = randn(1, 40, 2, 48, dtype=torch.float16)  # padded head dim
+    wide = randn(1, 40, 2, 65, dtype=torch.float16)[..., :64]  # rows 130 bytes apart
+    shifted = randn(1, 40 * 2 * 64 + 1, dtype=torch.float16)[:, 1:].view(1, 40, 2, 64)  # base 2 bytes off
+    for bad in (odd, wide, shifted, q.float()):
+        assert not attention.tma_ok(bad, bad, bad, varlen=False, paged=False)
+    assert not attention.tma_ok(q, q, q, varlen=True, paged=False)
+    assert not attention.tma_ok(q, q, q, varlen=False, paged=True)
+
+
 def test_lse_gradient_and_unequal_blocks():
     """dlse flows into the gradients; tiles with BLOCK_M != BLOCK_N cross the band at other points."""
     tiles = dict(block_m=16, block_n=32, num_warps=4, num_stages=1)

@@ -15,6 +15,8 @@ import math
 from typing import Optional
 
 import torch
+import triton
+import triton.language as _tl
 
 import kp_core
 from kp_attention.ops import decode, dropout
@@ -84,6 +86,38 @@ def _tiles_for(kernel: str, block_d: int, element_size: int, device_type: str, _
     else:
         tile = _HALF[64 if block_d <= 64 else 128 if block_d <= 128 else 256][kernel]
     return kp_core.settings(kernel, **dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tile)))
+
+
+# The forward's Q/K/V tiles through TMA descriptors (attention_fwd_kernels, TMA): off until it is measured faster
+# on a GPU; `kp_core.pin("_attn_fwd", tma=True)` turns it on where tma_ok allows it (tests, benchmark sweeps).
+FWD_TMA = False
+
+
+def tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, paged: bool) -> bool:
+    """Whether the forward may read q, k, v (B, S, H, D) through tensor descriptors: Triton >= 3.4, dense fp16/bf16
+    with a power-of-2 head dim (no padded columns), unit dim strides and 16-byte aligned bases and strides (what
+    TMA addresses), and not inside torch.compile's trace (its Triton wrapper takes pointer kernels)."""
+    if varlen or paged or q.dtype not in (torch.float16, torch.bfloat16) or torch.compiler.is_compiling():
+        return False
+    if not hasattr(_tl, "make_tensor_descriptor") or q.shape[-1] != _block_d(q.shape[-1]):
+        return False
+    size = q.element_size()
+    return all(
+        t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+        for t in (q, k, v)
+    )
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _tma_allocator() -> None:
+    """Descriptors made on a GPU need Triton's scratch allocator: kp's, unless the caller has set one."""
+    from triton.runtime import _allocation
+
+    if type(_allocation._allocator.get()).__name__ == "NullAllocator":
+        triton.set_allocator(_tma_scratch)
 
 
 def _block_d(d: int) -> int:
@@ -383,13 +417,17 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params, block_table=
         k.shape[0] if paged else 1,
     )
     grid = (kp_core.cdiv(sq, tiles["block_m"]), hq, b)
+    tma = kp_core.settings("_attn_fwd", tma=FWD_TMA)["tma"] and tma_ok(q, k, v, varlen, paged)
+    if tma and q.is_cuda:
+        _tma_allocator()
+    switches = {**_switches(p, d, varlen, mask_kind, q.dtype, tiles), "PAGED": paged, "PAGE": max(page, 1)}
     kp_core.launch(
         op,
         backend,
         fwd_kernels._attn_fwd,
         grid,
         args,
-        {**_switches(p, d, varlen, mask_kind, q.dtype, tiles), "PAGED": paged, "PAGE": max(page, 1)},
+        {**switches, "TMA": tma},
         tiles["num_warps"],
         tiles["num_stages"],
     )

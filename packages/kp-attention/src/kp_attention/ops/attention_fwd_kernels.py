@@ -3,9 +3,10 @@
 The launchers, the PyTorch reference and the op declarations are in kp_attention.ops.attention; the backward
 kernels are in kp_attention.ops.attention_bwd_kernels; the conformance spec is conformance/specs/test_attention.py.
 
-Hopper: this is the portable path (pointer loads, tl.dot). TMA descriptors (tl.make_tensor_descriptor) for the
-K/V/Q tiles and warp specialisation (tl.range(..., warp_specialize=True)) would replace the loads in the key
-loop of _attn_fwd; the block ranges and masks stay as they are.
+TMA (a switch of _attn_fwd, Triton >= 3.4): the Q, K and V tiles come through tensor descriptors made on the
+device (tl.make_tensor_descriptor: on Hopper, the TMA unit copies each tile into shared memory and zero-fills
+rows past the sequence's end) instead of pointer loads; every mask, the block ranges and the maths are the
+pointer path's. The launcher takes it only where descriptors can address the tensors (see attention.tma_ok).
 """
 
 import triton
@@ -88,6 +89,7 @@ def _attn_fwd(
     IEEE: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Grid (query blocks, q heads, batch). Query blocks run last-first: under a causal mask the longest rows (most
     key blocks) start first, which balances the tail.
@@ -119,7 +121,18 @@ def _attn_fwd(
         seed = tl.load(SEED)
         bh = b64 * tl.num_programs(1) + h64
     q_mask = (offs_m < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(Q_base + offs_m[:, None] * sqs + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
+    if TMA:  # (batch, seq, head, dim) descriptors, one tile a load: [1, rows, 1, dim]; dim stride 1
+        b32, h32, kvh32 = b64.to(tl.int32), h64.to(tl.int32), kvh64.to(tl.int32)
+        n_b, n_hq = tl.num_programs(2), tl.num_programs(1)
+        q_desc = tl.make_tensor_descriptor(
+            Q, shape=[n_b, seqlen_q, n_hq, HEAD_DIM], strides=[sqb, sqs, sqh, 1], block_shape=[1, BLOCK_M, 1, BLOCK_D]
+        )
+        kv_shape = [n_b, seqlen_k, n_hq // group, HEAD_DIM]
+        k_desc = tl.make_tensor_descriptor(K, kv_shape, [skb, sks, skh, 1], [1, BLOCK_N, 1, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V, kv_shape, [svb, svs, svh, 1], [1, BLOCK_N, 1, BLOCK_D])
+        q = q_desc.load([b32, m0, h32, 0]).reshape([BLOCK_M, BLOCK_D])
+    else:
+        q = tl.load(Q_base + offs_m[:, None] * sqs + offs_d[None, :] * sqd, mask=q_mask, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -146,7 +159,10 @@ def _attn_fwd(
                     back = page * 0 + (start_n % PAGE - start_n)  # int64: from the block's first key to its slot
                     K_base = K + page * skb + kvh64 * skh + back * sks
                     V_base = V + page * svb + kvh64 * svh + back * svs
-                kT = load2d(K_base + cols[None, :] * sks + offs_d[:, None] * skd, d_ok, kv_ok, PAD_D, REGION != 0)
+                if TMA:
+                    kT = tl.trans(k_desc.load([b32, start_n, kvh32, 0]).reshape([BLOCK_N, BLOCK_D]))
+                else:
+                    kT = load2d(K_base + cols[None, :] * sks + offs_d[:, None] * skd, d_ok, kv_ok, PAD_D, REGION != 0)
                 s = mm(q, kT, IEEE)
                 s2, _ = scores(s, qk_scale, sc_in, sc_out, SOFTCAP, IEEE)
                 s2 = apply_mask(s2, M_base, rows, cols[None, :], smq, smk, seqlen_q, seqlen_k, diag, MASK_KIND, IEEE)
@@ -172,7 +188,11 @@ def _attn_fwd(
                 if PASS == 1:
                     if DROPOUT:
                         p = tl.where(dropout_keep(seed, bh, rows, cols[None, :], drop_threshold), p, 0.0)
-                    v = load2d(V_base + cols[:, None] * svs + offs_d[None, :] * svd, kv_ok, d_ok, REGION != 0, PAD_D)
+                    if TMA:
+                        v = v_desc.load([b32, start_n, kvh32, 0]).reshape([BLOCK_N, BLOCK_D])
+                    else:
+                        v_ptrs = V_base + cols[:, None] * svs + offs_d[None, :] * svd
+                        v = load2d(v_ptrs, kv_ok, d_ok, REGION != 0, PAD_D)
                     acc = dot(p.to(v.dtype), v, acc, IEEE)
     if IEEE:
         out = acc
