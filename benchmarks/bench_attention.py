@@ -4,6 +4,8 @@
     python benchmarks/bench_attention.py --quick    # S = 4096 only
     python benchmarks/bench_attention.py --tune     # sweep kp's tile settings (bf16, D 128), print the best
     python benchmarks/bench_attention.py --providers kp   # only these providers: printed, results/ left as it is
+    python benchmarks/bench_attention.py --providers kp "kp tma"   # the forward's TMA switch against kp's default
+    python benchmarks/bench_attention.py --exact-delta    # fwd+bwd at head dims 16, 32 with the exact delta on / off
 
 TFLOP/s count the useful multiply-adds: forward 4 * B * H * D * (visible query-key pairs), forward+backward
 3.5x that (FlashAttention's convention: backward = 2.5 forward). KV-cache decoding: benchmarks/bench_decode.py.
@@ -251,6 +253,26 @@ def tune(kernels: list[str] | None = None, seq: int = 4096) -> None:
             kp_core.unpin(kernel)
 
 
+def exact_delta_cost(seq: int = 4096) -> None:
+    """fwd+bwd of kp at the head dims that take the exact delta (attention.EXACT_DELTA_MAX_HEAD_DIM: dQ's first
+    pass sums P * dP) against the same calls with it off (delta from rowsum(dO * O)), bf16, causal and not."""
+    from kp_attention.ops import attention
+
+    b = TOKENS // seq
+    for d in (16, 32):
+        q, k, v = (torch.randn(b, HEADS, seq, d, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(3))
+        for causal in (False, True):
+            ms = {}
+            for on in (True, False):
+                attention.EXACT_DELTA_MAX_HEAD_DIM = 32 if on else 0
+                ms[on] = time_ms(_kp, q, k, v, causal, -1, "fwd+bwd")
+            attention.EXACT_DELTA_MAX_HEAD_DIM = 32
+            print(
+                f"exact delta, D {d}, B{b} S{seq} H{HEADS}, causal={causal}: {ms[True]:.3f} ms on, "
+                f"{ms[False]:.3f} ms off ({ms[True] / ms[False]:.2f}x)"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
@@ -258,8 +280,12 @@ def main() -> None:
     parser.add_argument("--tune-seq", type=int, default=4096, help="with --tune: the sequence length")
     parser.add_argument("--tune-kernels", nargs="*", help="with --tune: only these kernels (e.g. _attn_bwd_dq)")
     parser.add_argument("--providers", nargs="+", help="time only these (kp always, to check correctness)")
+    parser.add_argument("--exact-delta", action="store_true", help="the exact delta's cost at head dims 16, 32")
     args = parser.parse_args()
     harness.require_gpu()
+    if args.exact_delta:
+        exact_delta_cost()
+        return
     if args.tune:
         tune(args.tune_kernels, args.tune_seq)
         return
