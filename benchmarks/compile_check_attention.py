@@ -107,6 +107,18 @@ def arguments(dt: str, d: int, varlen: bool, br: bool, left: bool, right: bool, 
         IEEE=ieee,
         HAS_DLSE=False,
         ROWSUM=not ieee,
+        # switches off in every variant here: dropout, paged k/v, TMA loads, the exact delta
+        SEED=("ptr", "i64"),
+        BT=("ptr", "fp32"),
+        drop_threshold=0,
+        drop_scale=1.0,
+        sbt=0,
+        num_blocks=1,
+        DROPOUT=False,
+        PAGED=False,
+        PAGE=1,
+        TMA=False,
+        EXACT_DELTA=False,
     )
     for ptr, prefix in (
         ("Q", "sq"),

@@ -88,7 +88,7 @@ def attention_cases():
 
     return {
         "attention": {
-            "kp": lambda i: kp_attention.flash_attention(i["q"], i["k"], i["v"], causal=True),
+            "kp": lambda i: kp_attention.flash_attention(i["q"], i["k"], i["v"], causal=True, backend="kp"),
             "torch": lambda i: F.scaled_dot_product_attention(i["qt"], i["kt"], i["vt"], is_causal=True),
         }
     }, inputs

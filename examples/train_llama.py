@@ -57,7 +57,7 @@ class Attention(nn.Module):
             import kp_attention
 
             q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
-            return self.out(kp_attention.flash_attention(q, k, v, causal=True).reshape(b, s, d))
+            return self.out(kp_attention.flash_attention(q, k, v, causal=True, backend="kp").reshape(b, s, d))
         q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
