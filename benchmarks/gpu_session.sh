@@ -36,7 +36,7 @@ for step in "$@"; do
         -p no:cacheprovider --rootdir . --durations=25 -n "${WORKERS:-8}" $files ;;
     conformance-*) KP_TIER=${step#conformance-} timeout "$LIMIT" python3 -m nox --no-venv -s conformance -- -n 8 ;;
     spec-*) PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=${KP_TIER:-small} timeout "$LIMIT" python3 -m pytest -q \
-              -p no:cacheprovider --rootdir . -n 8 "conformance/specs/test_${step#spec-}.py" ;;
+              -p no:cacheprovider --rootdir . --durations=15 -n 8 "conformance/specs/test_${step#spec-}.py" ;;
     cpu) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/cpu_overhead.py ;;
     demo) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/demo.py ;;
     tune-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#tune-}.py" --tune ;;
