@@ -92,8 +92,7 @@ def test_forward_lse_and_grads_match_float64(case, dtype):
 
 
 TMA_CASES = [  # head dims of a power of 2: the descriptors' condition
-    (2, 97, 97, 2, 2, 64, {}),
-    (1, 113, 203, 4, 2, 32, {"causal": True}),  # GQA, Sq < Sk, lengths off the blocks (zero-filled tails)
+    (2, 57, 83, 4, 2, 32, {"causal": True}),  # batch 2, GQA, Sq < Sk, lengths off the blocks (zero-filled tails)
     (1, 130, 90, 3, 1, 16, {"window": (17, 9), "softcap": 5.0}),  # MQA, Sq > Sk
 ]
 
