@@ -18,3 +18,24 @@ def kp_kernels():
     backend tests lift this pin)."""
     with kp_core.pinned("attention_backend", backend="kp"):
         yield
+
+
+@pytest.fixture
+def accepted(monkeypatch):
+    """torch's SDPA may stand for every call (backend="auto"'s choice, unpinned); timings from a table:
+    {"kp": ms, "torch": ms}; the names timed."""
+    from kp_attention import backend
+
+    times, timed = {"kp": 1.0, "torch": 2.0}, []
+
+    def fake_timer(name, fn):
+        fn()  # the call runs, as a real measurement's would
+        timed.append(name)
+        return times[name.rsplit(" ", 1)[1]]
+
+    monkeypatch.setattr(backend, "torch_refuses", lambda *a, **kw: None)
+    monkeypatch.setattr(backend, "timer", fake_timer)
+    backend.forget()
+    kp_core.unpin("attention_backend")  # kp_kernels pins "kp" for every other test
+    yield times, timed
+    backend.forget()

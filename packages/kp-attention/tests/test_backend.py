@@ -24,24 +24,6 @@ def _qkv(grad=False, sq=24, sk=24):
     ]
 
 
-@pytest.fixture
-def accepted(monkeypatch):
-    """torch's SDPA may stand for every call; timings from a table: {"kp": ms, "torch": ms}; the names timed."""
-    times, timed = {"kp": 1.0, "torch": 2.0}, []
-
-    def fake_timer(name, fn):
-        fn()  # the call runs, as a real measurement's would
-        timed.append(name)
-        return times[name.rsplit(" ", 1)[1]]
-
-    monkeypatch.setattr(backend, "torch_refuses", lambda *a, **kw: None)
-    monkeypatch.setattr(backend, "timer", fake_timer)
-    backend.forget()
-    kp_core.unpin("attention_backend")  # conftest pins "kp" for every other test
-    yield times, timed
-    backend.forget()
-
-
 def _run(**kw):
     q, k, v = _qkv()
     with kp_core.record_launches() as rec:

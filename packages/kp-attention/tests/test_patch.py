@@ -150,15 +150,12 @@ def test_each_family_patched_matches_by_the_rule(family):
     check_patched(family)
 
 
-def test_the_patch_passes_its_backend_to_the_mask_free_calls(monkeypatch):
+def test_the_patch_passes_its_backend_to_the_mask_free_calls(accepted):
     """With the default backend, "auto" (torch's SDPA let to take the call, and timed faster), the causal calls skip
     kp's kernel; patched again with backend="kp", they run it."""
     from kp_attention import backend
 
-    monkeypatch.setattr(backend, "torch_refuses", lambda *a, **kw: None)
-    monkeypatch.setattr(backend, "timer", lambda name, fn: 0.5 if name.endswith("torch") else 1.0)
-    backend.forget()
-    kp_core.unpin("attention_backend")  # conftest pins "kp" for every other test
+    accepted[0]["torch"] = 0.5
     model = tiny("llama")
     ids = torch.randint(0, 128, (2, 16), device=DEVICE)
     kp_attention.patch(model)
@@ -170,6 +167,5 @@ def test_the_patch_passes_its_backend_to_the_mask_free_calls(monkeypatch):
     with kp_core.record_launches() as rec:
         model(input_ids=ids)
     assert rec.backends("kp::flash_attention")
-    backend.forget()
     with pytest.raises(ValueError, match="backend"):
         kp_attention.patch(model, backend="fast")

@@ -347,6 +347,7 @@ def flash_attn_with_kvcache(
     in place at cache_seqlens (which is not changed) before attending; see the module docstring."""
     if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor):
         raise TypeError(f"kp_attention.flash_attn.{KV_FN}: q and k_cache must be tensors")
+    window_size = attention.window_pair(window_size)
     if cache_batch_idx is not None:
         if block_table is not None:
             raise ValueError(f"kp_attention.flash_attn.{KV_FN}: cache_batch_idx cannot be used with block_table")
@@ -371,7 +372,7 @@ def flash_attn_with_kvcache(
         steps_k = torch.arange(k.shape[1], device=q.device)
         k = _rotate(k, rotary_cos, rotary_sin, start + steps_k, rotary_interleaved)
         # causal or local: query i sits at cache_seqlens + i; otherwise every query at cache_seqlens
-        local = causal or tuple(int(w) for w in window_size) != (-1, -1)
+        local = causal or tuple(window_size) != (-1, -1)
         steps_q = torch.arange(q.shape[1], device=q.device) * int(local)
         q = _rotate(q, rotary_cos, rotary_sin, start + steps_q, rotary_interleaved)
     return flash_attention_with_kvcache(
@@ -383,7 +384,7 @@ def flash_attn_with_kvcache(
         v=v,
         block_table=block_table,
         causal=causal,
-        window=tuple(window_size.tolist() if isinstance(window_size, torch.Tensor) else window_size),
+        window=tuple(window_size),
         softcap=softcap,
         scale=softmax_scale,
         alibi_slopes=alibi_slopes,

@@ -13,7 +13,7 @@ import torch
 import kp_core
 from kp_attention import backend as backends
 from kp_attention.ops import dropout
-from kp_attention.ops.attention import DTYPES, FLASH, FLASH_VARLEN, MAX_HEAD_DIM, Params, default_scale
+from kp_attention.ops.attention import DTYPES, FLASH, FLASH_VARLEN, MAX_HEAD_DIM, Params, default_scale, window_pair
 from kp_attention.ops.decode import KVCACHE, PAGE_MULTIPLE
 
 KV_OP = "kp_attention.flash_attention_with_kvcache"
@@ -81,8 +81,7 @@ def _dropout_seed(op: str, dropout_p, dropout_seed, q: torch.Tensor) -> Optional
 def _check_options(op: str, causal, window, softcap, scale, d: int) -> Params:
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
-    if isinstance(window, torch.Tensor) and window.shape == (2,) and not window.is_floating_point():
-        window = tuple(window.tolist())  # FlashAttention's tests pass torch.randint(...) pairs
+    window = window_pair(window)
     if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(_is_int(w) for w in window)):
         raise ValueError(f"{op}: window must be a pair of ints (left, right), got {window!r}")
     left, right = window
@@ -503,6 +502,7 @@ def flash_attention_with_kvcache(
     (flash-decoding), 0 = chosen from the GPU's SM count. Returns out (B, Sq, Hq, D) in q's dtype, and
     with return_lse the fp32 log-sum-exp (B, Hq, Sq). Rows that see no key give 0 (lse -inf).
     """
+    window = window_pair(window)
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits)
     _check_alibi(KV_OP, alibi_slopes, q.shape[0], q.shape[2], q)
     if cache_leftpad is not None:

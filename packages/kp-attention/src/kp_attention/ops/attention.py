@@ -51,6 +51,14 @@ class Params:
     dropout_p: float = 0.0  # with a seed tensor (kp_attention.ops.dropout)
 
 
+def window_pair(window):
+    """An integer tensor of two as a (left, right) tuple (FlashAttention's tests draw window_size with
+    torch.randint); anything else as it is, for the callers' checks."""
+    if isinstance(window, torch.Tensor) and window.shape == (2,) and not window.is_floating_point():
+        return tuple(window.tolist())
+    return window
+
+
 # Tile settings per kernel: (block_m, block_n, num_warps, num_stages). GPU values for fp16/bf16 were chosen so
 # ptxas (sm_90a) reports no or few spills (bytes spilled: D64 0/4/0, D256 30/248/84 for fwd/dkdv/dq); D128's
 # backward tiles are the fastest of `bench_attention.py --tune` (H100, triton 3.6, B4 S4096 H16, fwd+bwd).
@@ -417,7 +425,7 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params, block_table=
         k.shape[0] if paged else 1,
     )
     grid = (kp_core.cdiv(sq, tiles["block_m"]), hq, b)
-    tma = kp_core.settings("_attn_fwd", tma=FWD_TMA)["tma"] and tma_ok(q, k, v, varlen, paged)
+    tma = tiles.get("tma", FWD_TMA) and tma_ok(q, k, v, varlen, paged)  # "tma" there when pinned
     if tma and q.is_cuda:
         _tma_allocator()
     switches = {**_switches(p, d, varlen, mask_kind, q.dtype, tiles), "PAGED": paged, "PAGE": max(page, 1)}
