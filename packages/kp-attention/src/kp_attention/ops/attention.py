@@ -15,8 +15,6 @@ import math
 from typing import Optional
 
 import torch
-import triton
-import triton.language as _tl
 
 import kp_core
 from kp_attention.ops import decode, dropout
@@ -107,7 +105,9 @@ def tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, page
     TMA addresses), and not inside torch.compile's trace (its Triton wrapper takes pointer kernels)."""
     if varlen or paged or q.dtype not in (torch.float16, torch.bfloat16) or torch.compiler.is_compiling():
         return False
-    if not hasattr(_tl, "make_tensor_descriptor") or q.shape[-1] != _block_d(q.shape[-1]):
+    import triton.language as tl  # here, not at the top: kp-attention imports without Triton (CPU torch)
+
+    if not hasattr(tl, "make_tensor_descriptor") or q.shape[-1] != _block_d(q.shape[-1]):
         return False
     size = q.element_size()
     return all(
@@ -122,6 +122,7 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 def _tma_allocator() -> None:
     """Descriptors made on a GPU need Triton's scratch allocator: kp's, unless the caller has set one."""
+    import triton
     from triton.runtime import _allocation
 
     if type(_allocation._allocator.get()).__name__ == "NullAllocator":
