@@ -40,7 +40,7 @@ from kp_core.launches import (
     reference,
     set_guard,
 )
-from kp_core.library import KernelInfo, Op, op, registered_kernels
+from kp_core.library import KernelInfo, Op, op, registered_kernels, vjp
 from kp_core.scratch import workspace
 from kp_core.timing import median_ms
 from kp_core.tolerance import atol_for, rule_bound
@@ -96,5 +96,6 @@ __all__ = [
     "settings",
     "sm_count",
     "unpin",
+    "vjp",
     "workspace",
 ]

@@ -277,6 +277,25 @@ class _Function(torch.autograd.Function):
 _APPLY = super(torch.autograd.Function, _Function).apply
 
 
+def vjp(fn: Callable, primals: Sequence, cotangents) -> tuple:
+    """The gradients of fn(*primals) (a tensor or a tuple of them) against `cotangents`, per primal (None stays
+    None): the reference path of a backward. torch.func.vjp rather than torch.autograd.grad, which finds no graph
+    inside a custom op's backward under torch.compile (the dispatcher runs it below autograd)."""
+    where = [i for i, p in enumerate(primals) if p is not None]
+
+    def inner(*present):
+        full = list(primals)
+        for i, p in zip(where, present):
+            full[i] = p
+        return fn(*full)
+
+    _, pull = torch.func.vjp(inner, *[primals[i] for i in where])
+    grads = [None] * len(primals)
+    for i, g in zip(where, pull(cotangents)):
+        grads[i] = g
+    return tuple(grads)
+
+
 def op(name: str, forward: Callable, forward_fake: Callable, **declaration) -> Op:
     """Declare an op; see the module docstring for the contract."""
     return Op(name, forward, forward_fake, **declaration)

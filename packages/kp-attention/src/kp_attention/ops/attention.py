@@ -75,7 +75,7 @@ _FP32 = {
 }
 
 
-def _tiles(kernel: str, block_d: int, element_size: int, device: torch.device) -> dict:
+def launch_tiles(kernel: str, block_d: int, element_size: int, device: torch.device) -> dict:
     return _tiles_for(kernel, block_d, element_size, device.type, kp_core.tuning.generation())
 
 
@@ -107,7 +107,7 @@ def tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool, page
         return False
     import triton.language as tl  # here, not at the top: kp-attention imports without Triton (CPU torch)
 
-    if not hasattr(tl, "make_tensor_descriptor") or q.shape[-1] != _block_d(q.shape[-1]):
+    if not hasattr(tl, "make_tensor_descriptor") or q.shape[-1] != block_dim(q.shape[-1]):
         return False
     size = q.element_size()
     return all(
@@ -129,7 +129,7 @@ def _tma_allocator() -> None:
         triton.set_allocator(_tma_scratch)
 
 
-def _block_d(d: int) -> int:
+def block_dim(d: int) -> int:
     return max(16, kp_core.next_power_of_2(d))  # tl.dot needs K >= 16
 
 
@@ -187,8 +187,8 @@ def _switches(p: Params, d: int, varlen: bool, mask_kind: int, dtype: torch.dtyp
         HEAD_DIM=d,
         BLOCK_M=tiles["block_m"],
         BLOCK_N=tiles["block_n"],
-        BLOCK_D=_block_d(d),
-        PAD_D=d != _block_d(d),
+        BLOCK_D=block_dim(d),
+        PAD_D=d != block_dim(d),
         VARLEN=varlen,
         BOTTOM_RIGHT=p.bottom_right,
         HAS_LEFT=p.window_left >= 0,
@@ -333,15 +333,11 @@ def _reference_forward(q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
 
 
 def _reference_backward(dout, dlse, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params):
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, lse = _reference_forward(*leaves, mask, alibi, seed, cu_q, cu_k, p)
-        outputs, grads = [out], [dout]
-        if dlse is not None:
-            outputs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
-            grads.append(dlse)
-        dq, dk, dv = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
-    return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip((dq, dk, dv), (q, k, v)))
+    def outputs(q, k, v):
+        out, lse = _reference_forward(q, k, v, mask, alibi, seed, cu_q, cu_k, p)
+        return out if dlse is None else (out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+
+    return kp_core.vjp(outputs, (q, k, v), dout if dlse is None else (dout, dlse))
 
 
 # ---- launchers ----
@@ -395,7 +391,7 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params, block_table=
     out = q.new_empty(q.shape)
     lse = _lse_empty(q, b, hq, sq, varlen)
     m, m_strides, mask_kind = _mask_args(mask, alibi, b, hq, sq, sk, q.dtype)
-    tiles = _tiles("_attn_fwd", _block_d(d), q.element_size(), q.device)
+    tiles = launch_tiles("_attn_fwd", block_dim(d), q.element_size(), q.device)
     if paged:  # a block of keys in one page
         tiles = {**tiles, "block_n": min(tiles["block_n"], page & -page)}
     kv_strides = (*k.stride(), *v.stride()) if paged else (*_bshd(k, varlen), *_bshd(v, varlen))
@@ -481,8 +477,8 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
     lse_fix = torch.empty_like(lse, dtype=torch.float64) if ieee else lse
     lse_strides = _lse_strides(lse, varlen)
     cu_qa, cu_ka = (cu_q, cu_k) if varlen else (lse, lse)
-    block_d = _block_d(d)
-    pre = _tiles("_attn_bwd_preprocess", block_d, q.element_size(), q.device)
+    block_d = block_dim(d)
+    pre = launch_tiles("_attn_bwd_preprocess", block_d, q.element_size(), q.device)
     kp_core.launch(
         op,
         backend,
@@ -516,7 +512,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
     strides_qkv = (*_bshd(q, varlen), *_bshd(k, varlen), *_bshd(v, varlen), *_bshd(dout, varlen))
 
     def launch_dkdv():
-        tiles = _tiles("_attn_bwd_dkdv", block_d, q.element_size(), q.device)
+        tiles = launch_tiles("_attn_bwd_dkdv", block_d, q.element_size(), q.device)
         kp_core.launch(
             op,
             backend,
@@ -548,7 +544,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
         )
 
     def launch_dq():
-        tiles = _tiles("_attn_bwd_dq", block_d, q.element_size(), q.device)
+        tiles = launch_tiles("_attn_bwd_dq", block_d, q.element_size(), q.device)
         kp_core.launch(
             op,
             backend,

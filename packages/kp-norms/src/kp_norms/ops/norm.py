@@ -118,12 +118,11 @@ def _reference_norm(s, weight, bias, eps, rms, offset, round_n, act):
 
 
 def _reference_backward(dy, ds, s, weight, bias, eps, rms, offset, round_n, act):
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() if t is not None else None for t in (s, weight, bias)]
-        y = _reference_norm(*leaves, eps, rms, offset, round_n, act)[0]
-        grads = torch.autograd.grad(y, [t for t in leaves if t is not None], dy, allow_unused=True)
-    grads = iter(grads)
-    dx, dw, db = (next(grads) if t is not None else None for t in leaves)
+    dx, dw, db = kp_core.vjp(
+        lambda s, weight, bias: _reference_norm(s, weight, bias, eps, rms, offset, round_n, act)[0],
+        (s, weight, bias),
+        dy,
+    )
     if ds is not None:
         dx = dx + ds
     return dx, dw, db

@@ -112,9 +112,7 @@ def _activation_grad(dy: torch.Tensor, pre: torch.Tensor, activation: str) -> to
     backend = kp_core.choose_backend(OP, pre)
     if backend == kp_core.REFERENCE:
         kp_core.reference(OP)
-        z = pre.float().detach().requires_grad_()
-        with torch.enable_grad():
-            (grad,) = torch.autograd.grad(reference(z, NAMES[activation]), z, dy.float())
+        (grad,) = kp_core.vjp(lambda z: reference(z, NAMES[activation]), (pre.float(),), dy.float())
         return dz.copy_(grad)
     n = pre.numel()
     block = ELEMENTS * (16 if backend == kp_core.INTERPRET else 1)

@@ -1,0 +1,297 @@
+"""kp_attention.flex: flex_attention and create_block_mask against a float64 reference that materialises the mask
+and the score_mod in plain PyTorch (the mods are ordinary functions: called on broadcast index tensors they are
+that reference), with the conformance rule against the same computation in the inputs' dtype. Gradients of q, k,
+v and of a captured tensor, the block classification, dropout, torch.compile, the trace cache and the errors.
+Every tensor is made on the device under test."""
+
+import math
+
+import pytest
+import torch
+
+import kp_core
+from kp_attention.flex import BlockMask, and_masks, create_block_mask, flex_attention, noop_mask, or_masks
+from kp_attention.ops import dropout, flex, flex_codegen
+from kp_conformance.launched import skip_if_not_covered
+from kp_conformance.tolerance import check_close
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL = kp_core.INTERPRET if kp_core.interpreter_enabled() else kp_core.TRITON
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(device=DEVICE, dtype=dtype)
+
+
+S_Q, S_K = 45, 70
+HEADS = 4
+DOC = torch.tensor([0] * 20 + [1] * 30 + [2] * 20, device=DEVICE)  # keys' documents; queries take the first S_Q
+BIAS = randn(HEADS, S_Q + S_K - 1, seed=11, scale=0.5)
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEVICE)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def window(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= 9
+
+
+def prefix(b, h, q_idx, kv_idx):
+    return kv_idx < 12
+
+
+def document(b, h, q_idx, kv_idx):
+    return DOC[q_idx] == DOC[kv_idx]
+
+
+def by_head(b, h, q_idx, kv_idx):
+    return (kv_idx % (h + 2) != 1) | (b == 1)
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score - SLOPES[h] * (q_idx - kv_idx).abs()
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return torch.tanh(score / 2.0) * 2.0
+
+
+def floors(score, b, h, q_idx, kv_idx):  # // and % of negative numbers round as PyTorch does
+    return score + ((q_idx - kv_idx) // 3).float() * 0.1 + torch.where((q_idx - kv_idx) % 3 == 1, 0.5, -0.25)
+
+
+def make_bias(dtype):
+    bias = BIAS.clone().requires_grad_()
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + S_K - 1]
+
+    return rel_bias, bias
+
+
+def reference(q, k, v, score_mod, mask_mod, dtype, caps=()):
+    """(out, lse) in `dtype` (float64 for the reference) from the materialised scores and mask."""
+    b, hq, sq, d = q.shape
+    group = hq // k.shape[1]
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+    ib = torch.arange(b, device=DEVICE).view(-1, 1, 1, 1)
+    ih = torch.arange(hq, device=DEVICE).view(1, -1, 1, 1)
+    iq = torch.arange(sq, device=DEVICE).view(1, 1, -1, 1)
+    ik = torch.arange(k.shape[2], device=DEVICE).view(1, 1, 1, -1)
+    if score_mod is not None:
+        s = score_mod(s, ib, ih, iq, ik).to(dtype)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(ib, ih, iq, ik), float("-inf"))
+    lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, -1)
+    out = torch.softmax(s, -1).nan_to_num(0.0) @ v
+    return out, lse
+
+
+def run(fn, tensors, dout):
+    tensors = [t.detach().requires_grad_() for t in tensors]
+    out, lse = fn(*tensors)
+    (out.double() * dout.double()).sum().backward()
+    return [out.detach(), lse.detach(), *(t.grad for t in tensors)]
+
+
+CASES = [  # (batch, q heads, kv heads, head dim, score_mod, mask_mod, BLOCK_SIZE)
+    (2, 4, 4, 16, None, None, 32),
+    (1, 4, 2, 32, None, causal, 16),  # GQA, Sq < Sk
+    (2, 4, 4, 16, alibi, and_masks(causal, window), (16, 32)),
+    (1, 4, 1, 16, softcap, or_masks(prefix, causal), 16),  # MQA, prefix-LM
+    (1, 4, 4, 24, floors, document, 32),  # packed documents, padded head dim
+    (2, 4, 4, 16, None, by_head, 16),  # per batch and head mask
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_reference(case, dtype):
+    skip_if_not_covered(dtype, uses_dot=True)
+    b, hq, hkv, d, score_mod, mask_mod, block = CASES[case]
+    q = randn(b, hq, S_Q, d, dtype=dtype, seed=case)
+    k = randn(b, hkv, S_K, d, dtype=dtype, seed=case + 1)
+    v = randn(b, hkv, S_K, d, dtype=dtype, seed=case + 2)
+    dout = randn(b, hq, S_Q, d, dtype=dtype, seed=case + 3)
+    mask = None
+    if mask_mod is not None:
+        mask = create_block_mask(
+            mask_mod,
+            b if mask_mod is by_head else None,
+            None if mask_mod is not by_head else hq,
+            S_Q,
+            S_K,
+            DEVICE,
+            block,
+        )
+
+    def ours(q, k, v):
+        return flex_attention(q, k, v, score_mod, mask, enable_gqa=hq != hkv, return_lse=True)
+
+    with kp_core.record_launches() as rec:
+        got = run(ours, (q, k, v), dout)
+    assert rec.backends(flex.OP) == {KERNEL} and rec.backends(flex.OP_BWD) == {KERNEL}
+    want = run(lambda *t: reference(*t, score_mod, mask_mod, torch.float64), (q, k, v), dout)
+    low = run(lambda *t: reference(*t, score_mod, mask_mod, dtype), (q, k, v), dout)
+    for name, a, w, lo in zip(("out", "lse", "dq", "dk", "dv"), got, want, low):
+        if name == "lse":
+            assert torch.equal(torch.isinf(a), torch.isinf(w)), "rows that see no key must have lse -inf"
+            fin = torch.isfinite(w)
+            check_close("lse", a[fin], w[fin], lo[fin].float(), torch.float32)
+        else:
+            check_close(name, a, w, lo.nan_to_num(0.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gradient_of_a_captured_tensor(dtype):
+    """A learnable relative-position bias gets its gradient from the kernels (atomics in the dQ kernel)."""
+    skip_if_not_covered(dtype, uses_dot=True)
+    q, k, v, dout = (randn(1, HEADS, s, 16, dtype=dtype, seed=i) for i, s in enumerate((S_Q, S_K, S_K, S_Q)))
+    mask = create_block_mask(causal, None, None, S_Q, S_K, DEVICE, 16)
+    grads = {}
+    for name, dt in (("ours", None), ("ref", torch.float64), ("low", dtype)):
+        rel_bias, bias = make_bias(dtype)
+        tensors = [t.detach().requires_grad_() for t in (q, k, v)]
+        if dt is None:
+            with kp_core.record_launches() as rec:
+                out = flex_attention(*tensors, rel_bias, mask)
+        else:
+            out = reference(*tensors, rel_bias, causal, dt)[0]
+        (out.double() * dout.double()).sum().backward()
+        grads[name] = bias.grad
+    assert rec.backends(flex.OP) == {KERNEL}
+    check_close("dbias", grads["ours"], grads["ref"], grads["low"].to(grads["ours"].dtype), torch.float32)
+
+
+def test_block_mask_classes():
+    """Full, partial and skipped blocks as the dense mask says, in both orders; the kernel classified them."""
+    for mask_mod, sizes in ((causal, (16, 32)), (document, (32, 16)), (and_masks(causal, window), (16, 16))):
+        with kp_core.record_launches() as rec:
+            mask = create_block_mask(mask_mod, None, None, S_Q, S_K, DEVICE, sizes)
+        assert rec.backends(flex.OP_BLOCKS) == {KERNEL}
+        iq = torch.arange(S_Q, device=DEVICE).view(-1, 1)
+        ik = torch.arange(S_K, device=DEVICE).view(1, -1)
+        dense = mask_mod(0, 0, iq, ik)
+        n_q, n_kv = -(-S_Q // sizes[0]), -(-S_K // sizes[1])
+        for i in range(n_q):
+            for j in range(n_kv):
+                block = dense[i * sizes[0] : (i + 1) * sizes[0], j * sizes[1] : (j + 1) * sizes[1]]
+                want = 2 if block.all() else 1 if block.any() else 0
+                full = j in mask.full_kv_indices[0, 0, i, : mask.full_kv_num_blocks[0, 0, i]].tolist()
+                part = j in mask.kv_indices[0, 0, i, : mask.kv_num_blocks[0, 0, i]].tolist()
+                assert (2 if full else 1 if part else 0) == want, (mask_mod, i, j)
+                full_t = i in mask.full_q_indices[0, 0, j, : mask.full_q_num_blocks[0, 0, j]].tolist()
+                part_t = i in mask.q_indices[0, 0, j, : mask.q_num_blocks[0, 0, j]].tolist()
+                assert (2 if full_t else 1 if part_t else 0) == want, ("transposed", mask_mod, i, j)
+        assert mask.to_dense().sum().item() == sum(
+            1
+            for i in range(n_q)
+            for j in range(n_kv)
+            if dense[i * sizes[0] :, j * sizes[1] :][: sizes[0], : sizes[1]].any()
+        )
+        assert mask.shape == (1, 1, S_Q, S_K) and 0.0 <= mask.sparsity() <= 100.0 and "BlockMask" in repr(mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dropout(dtype):
+    """The same Philox draw as kp's flash attention: reproducible under manual_seed, and equal to the reference
+    with that keep mask, gradients included."""
+    skip_if_not_covered(dtype, uses_dot=True)
+    p = 0.3
+    q, k, v, dout = (randn(2, 2, s, 16, dtype=dtype, seed=i) for i, s in enumerate((S_Q, S_K, S_K, S_Q)))
+    mask = create_block_mask(causal, None, None, S_Q, S_K, DEVICE, 16)
+    torch.manual_seed(5)
+    got = run(lambda *t: flex_attention(*t, alibi, mask, dropout_p=p, return_lse=True), (q, k, v), dout)
+    torch.manual_seed(5)
+    seed = dropout.draw_seed(torch.device(DEVICE))
+    keep = dropout.keep_mask(seed, torch.arange(4, device=DEVICE), S_Q, S_K, p).view(2, 2, S_Q, S_K)
+
+    def dropped(dt):
+        def fn(q, k, v):
+            s = (q.to(dt) @ k.to(dt).transpose(-1, -2)) / 4.0
+            ih = torch.arange(2, device=DEVICE).view(1, -1, 1, 1)
+            iq, ik = torch.arange(S_Q, device=DEVICE).view(-1, 1), torch.arange(S_K, device=DEVICE).view(1, -1)
+            s = alibi(s, 0, ih, iq, ik).masked_fill(~causal(0, 0, iq, ik), float("-inf"))
+            probs = torch.softmax(s, -1).nan_to_num(0.0) * keep / (1 - p)
+            return probs.to(dt) @ v.to(dt), torch.logsumexp(s, -1)
+
+        return run(fn, (q, k, v), dout)
+
+    want, low = dropped(torch.float64), dropped(dtype)
+    for name, a, w, lo in zip(("out", "lse", "dq", "dk", "dv"), got, want, low):
+        if name != "lse":
+            check_close(name, a, w, lo.nan_to_num(0.0), dtype)
+    torch.manual_seed(5)
+    again = flex_attention(q, k, v, alibi, mask, dropout_p=p)
+    assert torch.equal(again, got[0])
+
+
+def test_compile_fullgraph_and_the_trace_cache():
+    """torch.compile(fullgraph=True) gives the eager values and the captured tensor's gradient; a new sequence
+    length (and a new tensor of the same dtype and rank) reuses the traced mod."""
+    q, k, v = (randn(1, 2, 32, 16, seed=i) for i in range(3))
+    mask = create_block_mask(causal, None, None, 32, 32, DEVICE, 16)
+    results = []
+    for fn in (flex_attention, torch.compile(flex_attention, fullgraph=True)):
+        rel_bias, bias = make_bias(torch.float32)
+        out = fn(q, k, v, rel_bias, mask)
+        out.square().sum().backward()
+        results.append((out.detach(), bias.grad))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6) and torch.allclose(
+        results[0][1], results[1][1], atol=1e-6
+    )
+    first, _ = make_bias(torch.float32)
+    second, _ = make_bias(torch.float32)
+    assert flex_codegen.trace(first, "score").key == flex_codegen.trace(second, "score").key
+    assert flex_codegen.trace(first, "score") is flex_codegen.trace(second, "score")
+
+
+def test_inputs_are_not_mutated_and_empty_rows():
+    q, k, v = (randn(1, 2, 20, 16, seed=i) for i in range(3))
+    before = [t.clone() for t in (q, k, v)]
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx > q_idx + 15, None, None, 20, 20, DEVICE, 16)
+    out, lse = flex_attention(q, k, v, block_mask=mask, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+    assert torch.equal(out[:, :, 4:], torch.zeros_like(out[:, :, 4:])) and bool((lse[:, :, 4:] == float("-inf")).all())
+    assert bool(torch.isfinite(lse[:, :, :4]).all())
+    assert isinstance(create_block_mask(noop_mask, 1, 1, 20, 20, DEVICE, 16), BlockMask)
+
+
+def test_bad_input():
+    q = randn(1, 2, 16, 16)
+    mask = create_block_mask(causal, None, None, 16, 16, DEVICE, 16)
+    with pytest.raises(TypeError, match="score_mod .* must take 5 arguments"):
+        flex_attention(q, q, q, lambda s, b, h: s)
+    with pytest.raises(ValueError, match="torch.where"):
+        flex_attention(q, q, q, lambda s, b, h, i, j: s if s > 0 else -s)
+    with pytest.raises(ValueError, match="index every dimension"):
+        flex_attention(q, q, q, lambda s, b, h, i, j: s + BIAS[h])
+    with pytest.raises(ValueError, match="slicing"):
+        flex_attention(q, q, q, lambda s, b, h, i, j: s + BIAS[h, :].sum())
+    with pytest.raises(ValueError, match="neither in its closure"):
+        flex_attention(q, q, q, lambda s, b, h, i, j: s + torch.ones(3, device=DEVICE)[i])
+    with pytest.raises(ValueError, match="not supported in a mod"):
+        flex_attention(q, q, q, lambda s, b, h, i, j: torch.erf(s))
+    with pytest.raises(ValueError, match="made for"):
+        flex_attention(randn(1, 2, 32, 16), randn(1, 2, 32, 16), randn(1, 2, 32, 16), block_mask=mask)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        flex_attention(randn(1, 4, 16, 16), q, q)
+    with pytest.raises(ValueError, match="4-D"):
+        flex_attention(q[0], q, q)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        flex_attention(q.long(), q, q)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flex_attention(q, q, q, dropout_p=1.5)
+    with pytest.raises(ValueError, match="BLOCK_SIZE"):
+        create_block_mask(causal, None, None, 16, 16, DEVICE, 24)
+    with pytest.raises(ValueError, match="Q_LEN"):
+        create_block_mask(causal, None, None, 0, 16, DEVICE, 16)
+    with pytest.raises(TypeError, match="mask_mod .* must take 4 arguments"):
+        create_block_mask(lambda b, h, i: i > 0, None, None, 16, 16, DEVICE, 16)
+    with pytest.raises(ValueError, match="mask_mod .* returning floats"):
+        create_block_mask(lambda b, h, i, j: (i - j).float(), None, None, 16, 16, DEVICE, 16)
