@@ -289,6 +289,19 @@ def test_every_switch(dtype, what, change, transform, kw):
 
 @pytest.mark.conformance(kernel="flex_attention", prop="switches")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@pytest.mark.parametrize("sq", [1, 5])
+def test_split_decode(dtype, sq):
+    """SPLIT (flash-decoding): each row's block list split three ways, merged by _flex_combine (fp32 never
+    splits: its two passes are per row)."""
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    c = dict(BASE, sq=sq, sk=100, mask="document causal", score="bias table")
+    with kp_core.pinned("_flex_fwd", splits=3):
+        rec = check_case(c, dtype)
+    assert (rec.count(flex.OP, kernel="_flex_combine") > 0) == (dtype != torch.float32), rec.launches
+
+
+@pytest.mark.conformance(kernel="flex_attention", prop="switches")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_dropout(dtype):
     """DROPOUT: kp's Philox draw (kp_attention.ops.dropout.keep_mask), forward and backward, by the rule."""
     kc.skip_if_not_covered(dtype, uses_dot=True)

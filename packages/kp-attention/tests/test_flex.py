@@ -295,3 +295,50 @@ def test_bad_input():
         create_block_mask(lambda b, h, i: i > 0, None, None, 16, 16, DEVICE, 16)
     with pytest.raises(ValueError, match="mask_mod .* returning floats"):
         create_block_mask(lambda b, h, i, j: (i - j).float(), None, None, 16, 16, DEVICE, 16)
+
+
+def test_from_kv_blocks():
+    """FlexAttention's constructor from the forward lists: the derived mask attends as the original, with or
+    without the full lists (mask_mod then runs on every visited block); bad lists are refused."""
+    q, k, v = (randn(1, 2, s, 16, seed=i) for i, s in enumerate((S_Q, S_K, S_K)))
+    mask = create_block_mask(and_masks(causal, window), None, None, S_Q, S_K, DEVICE, 16)
+    want = flex_attention(q, k, v, block_mask=mask)
+    lists = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    again = BlockMask.from_kv_blocks(*lists, 16, mask.mask_mod, (S_Q, S_K))
+    assert torch.equal(again.to_dense(), mask.to_dense())
+    assert torch.equal(flex_attention(q, k, v, block_mask=again), want)
+    dense = mask.to_dense()
+    num, idx = dense.sum(-1, dtype=torch.int32), torch.argsort(1 - dense, dim=-1, stable=True).to(torch.int32)
+    partial_only = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16, mask_mod=mask.mask_mod, seq_lengths=(S_Q, S_K))
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=partial_only), want, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="indices in"):
+        BlockMask.from_kv_blocks(num, idx - 1, BLOCK_SIZE=16, seq_lengths=(S_Q, S_K))
+    with pytest.raises(ValueError, match="together"):
+        BlockMask.from_kv_blocks(num, idx, num, BLOCK_SIZE=16, seq_lengths=(S_Q, S_K))
+
+
+@pytest.mark.parametrize("sq", [1, 7])
+def test_split_rows_merge_to_the_unsplit_result(sq):
+    """Flash-decoding: a few query rows over many key blocks, the block lists split (pinned three ways, and the
+    automatic count) and merged, against the float64 reference and the unsplit kernel."""
+    q, k, v = (
+        randn(1, 2, sq, 16, dtype=torch.float16),
+        randn(1, 2, 90, 16, dtype=torch.float16, seed=1),
+        randn(1, 2, 90, 16, dtype=torch.float16, seed=2),
+    )
+
+    def tail(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + 90 - sq
+
+    mask = create_block_mask(tail, None, None, sq, 90, DEVICE, 16)
+    results = {}
+    for splits in (1, 3, 0):
+        with kp_core.pinned("_flex_fwd", splits=splits), kp_core.record_launches() as rec:
+            results[splits] = flex_attention(q, k, v, alibi, mask, return_lse=True)
+        if splits:  # 0: the automatic count, which splits here too (two programs for four slots off-GPU)
+            assert (rec.count(flex.OP, kernel="_flex_combine") > 0) == (splits > 1), (splits, rec.launches)
+    want, want_lse = reference(q, k, v, alibi, tail, torch.float64)
+    low, _ = reference(q, k, v, alibi, tail, torch.float16)
+    for out, lse in results.values():
+        check_close("out", out, want, low, torch.float16)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-5)

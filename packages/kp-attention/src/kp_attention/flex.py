@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 import torch
 
-from kp_attention.ops import dropout, flex_codegen
+from kp_attention.ops import dropout, flex, flex_codegen
 from kp_attention.ops.attention import DTYPES, MAX_HEAD_DIM, default_scale
 from kp_attention.ops.flex import BLOCKS, FLEX
 
@@ -71,17 +71,54 @@ class BlockMask:
             },
         )
 
+    @classmethod
+    def from_kv_blocks(
+        cls,
+        kv_num_blocks: torch.Tensor,
+        kv_indices: torch.Tensor,
+        full_kv_num_blocks: Optional[torch.Tensor] = None,
+        full_kv_indices: Optional[torch.Tensor] = None,
+        BLOCK_SIZE: Union[int, tuple] = 128,
+        mask_mod: Optional[Callable] = None,
+        seq_lengths: Optional[tuple] = None,
+    ) -> "BlockMask":
+        """FlexAttention's constructor from the forward's lists: kv_num_blocks (B', H', q blocks) and kv_indices
+        (B', H', q blocks, n) of the blocks where mask_mod is evaluated, optionally the full ones; the backward's
+        lists are derived. seq_lengths defaults to the blocks' extent. The counts and indices are checked (one
+        device sync): an index outside the key blocks would address memory outside the keys."""
+        sizes = _block_size(BLOCK_SIZE)
+        lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError("BlockMask.from_kv_blocks: give full_kv_num_blocks and full_kv_indices together")
+        n_q = kv_num_blocks.shape[-1] if kv_num_blocks.dim() == 3 else 0
+        seq = tuple(seq_lengths) if seq_lengths is not None else (n_q * sizes[0], kv_indices.shape[-1] * sizes[1])
+        n_kv = -(-seq[1] // sizes[1])
+        for num, idx in zip(lists[::2], lists[1::2]):
+            if num is None:
+                continue
+            if num.dim() != 3 or idx.dim() != 4 or tuple(idx.shape[:3]) != tuple(num.shape):
+                raise ValueError(
+                    f"BlockMask.from_kv_blocks: num_blocks (B, H, q blocks) and indices (B, H, q blocks, n) expected, "
+                    f"got {tuple(num.shape)} and {tuple(idx.shape)}"
+                )
+            if num.is_floating_point() or idx.is_floating_point():
+                raise TypeError("BlockMask.from_kv_blocks: block counts and indices must be integer tensors")
+            if num.shape[-1] != -(-seq[0] // sizes[0]):
+                raise ValueError(f"BlockMask.from_kv_blocks: {num.shape[-1]} query blocks for Q_LEN {seq[0]}")
+            used = torch.arange(idx.shape[-1], device=idx.device) < num[..., None].long()
+            bad = bool(((num < 0) | (num > idx.shape[-1])).any()) or bool((used & ((idx < 0) | (idx >= n_kv))).any())
+            if bad:
+                raise ValueError(
+                    f"BlockMask.from_kv_blocks: counts must be in [0, {idx.shape[-1]}], indices in [0, {n_kv})"
+                )
+        classes = flex.dense_classes(*(None if t is None else t.to(torch.int32) for t in lists), n_kv)
+        return _from_classes(classes, seq, sizes, mask_mod)
+
     def to_dense(self) -> torch.Tensor:
         """(B', H', q blocks, kv blocks) int32: 1 where the block is visited (partial or full)."""
         n_kv = -(-self.seq_lengths[1] // self.BLOCK_SIZE[1])
-        dense = torch.zeros((*self.kv_num_blocks.shape, n_kv + 1), dtype=torch.int32, device=self.kv_indices.device)
-        for num, idx in ((self.kv_num_blocks, self.kv_indices), (self.full_kv_num_blocks, self.full_kv_indices)):
-            if num is None:
-                continue
-            valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None].long()
-            where = torch.where(valid, idx.long(), n_kv)
-            dense.scatter_(-1, where, torch.ones_like(where, dtype=torch.int32))
-        return dense[..., :n_kv]
+        lists = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
+        return (flex.dense_classes(*lists, n_kv) > 0).to(torch.int32)
 
     def sparsity(self) -> float:
         """Percent of blocks never visited."""

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 import kp_core
-from kp_attention.ops import dropout, flex_codegen
+from kp_attention.ops import decode, dropout, flex_codegen
 from kp_attention.ops.attention import DTYPES, MAX_HEAD_DIM, PACKAGE, block_dim, launch_tiles
 
 if kp_core.has_triton():
@@ -94,7 +94,7 @@ def _tile(kernel: str, q: torch.Tensor, q_block: int, kv_block: int, sq: int) ->
 # ---- reference ----
 
 
-def _dense_classes(kv_num, kv_idx, full_num, full_idx, n_kv: int) -> torch.Tensor:
+def dense_classes(kv_num, kv_idx, full_num, full_idx, n_kv: int) -> torch.Tensor:
     """(B', H', q blocks, kv blocks) int8: 2 for a full block, 1 partial, 0 skipped, from the lists."""
     cls = torch.zeros((*kv_num.shape, n_kv + 1), dtype=torch.int8, device=kv_num.device)
     for num, idx, value in ((kv_num, kv_idx, 1), (full_num, full_idx, 2)):
@@ -126,7 +126,7 @@ def _reference_forward(q, k, v, lists, seed, score_caps, mask_caps, score_key, m
     if score is not None:
         s = score.evaluate(score_caps, s, b, h, i, j).to(work)
     q_block, kv_block = blocks
-    cls = _dense_classes(*lists, -(-sk // kv_block))
+    cls = dense_classes(*lists, -(-sk // kv_block))
     cls = cls.repeat_interleave(q_block, dim=2)[:, :, :sq].repeat_interleave(kv_block, dim=3)[..., :sk]
     keep = cls == 2
     if mask is not None:
@@ -202,6 +202,12 @@ def forward(
     score, mask = _mods(score_key, mask_key)
     lists, list_strides, has_full = _block_lists(*lists)
     tiles = _tile("_attn_fwd", q, q_block, kv_block, sq)
+    q_blocks = kp_core.cdiv(sq, tiles["block_m"])
+    splits = _splits(q, q_blocks * hq * bsz, kp_core.cdiv(sk, kv_block))
+    o_part = l_part = lse
+    if splits > 1:
+        o_part = torch.empty((splits, bsz, hq, sq, d), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((splits, bsz, hq, sq), dtype=torch.float32, device=q.device)
     args = (
         q,
         k,
@@ -214,6 +220,8 @@ def forward(
         _meta(score_caps, q.device),
         *_slots(mask_caps, lse),
         _meta(mask_caps, q.device),
+        o_part,
+        l_part,
         *_bshd(q),
         *_bshd(k),
         *_bshd(v),
@@ -225,6 +233,7 @@ def forward(
         scale,
         dropout.threshold(dropout_p),
         dropout.keep_scale(dropout_p),
+        splits,
     )
     consts = dict(
         HEAD_DIM=d,
@@ -238,10 +247,34 @@ def forward(
         HAS_FULL=has_full,
         DROPOUT=dropout_p > 0,
         IEEE=q.dtype == torch.float32,
+        SPLIT=splits > 1,
     )
-    grid = (kp_core.cdiv(sq, tiles["block_m"]), hq, bsz)
+    grid = (q_blocks * splits, hq, bsz)
     kp_core.launch(OP, backend, kernels._flex_fwd, grid, args, consts, tiles["num_warps"], tiles["num_stages"])
+    if splits > 1:
+        block_m = min(64, max(16, kp_core.next_power_of_2(sq)))
+        kp_core.launch(
+            OP,
+            backend,
+            kernels._flex_combine,
+            (kp_core.cdiv(sq, block_m), hq, bsz),
+            (o_part, l_part, out, lse, *_bshd(out), sq, splits),
+            dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_D=block_dim(d)),
+            4,
+        )
     return out, lse
+
+
+def _splits(q: torch.Tensor, programs: int, kv_blocks: int) -> int:
+    """Splits of each row's block list (flash-decoding) when the query blocks alone leave the GPU idle:
+    decode.auto_num_splits' rule, per mask block; fp32 never splits (its two-pass exactness is per row).
+    `kp_core.pin("_flex_fwd", splits=n)` fixes the count (tests, benchmark sweeps)."""
+    pinned = kp_core.settings("_flex_fwd", splits=0)["splits"]
+    if q.dtype == torch.float32:
+        return 1
+    if pinned:
+        return max(1, min(pinned, kv_blocks))
+    return decode.auto_num_splits(q.device, programs, kv_blocks)
 
 
 def backward(

@@ -73,6 +73,8 @@ def _flex_fwd(
     MC2,
     MC3,
     MMETA,
+    O_PART,
+    L_PART,
     sqb,
     sqs,
     sqh,
@@ -100,6 +102,7 @@ def _flex_fwd(
     scale,
     drop_threshold,
     drop_scale,
+    n_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -111,14 +114,22 @@ def _flex_fwd(
     HAS_FULL: tl.constexpr,
     DROPOUT: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Grid (query blocks, q heads, batch), last block first. LSE is (B, Hq, Sq) contiguous; KV_NUM/FULL_NUM are
     (B', H', query mask blocks) with strides (snb, snh, 1), KV_IDX/FULL_IDX (B', H', blocks, kv blocks) with
     (sib, sih, siq, 1) (B' and H' are 1 or B and Hq: a stride 0 broadcasts). fp32 (IEEE) makes two passes, as
-    attention_fwd_kernels._attn_fwd does."""
-    b64, h64, kvh64, q_start, k_start, seqlen_q, seqlen_k, m0, diag = query_program(
-        SEED, SEED, seqlen_q, seqlen_k, group, BLOCK_M, False, False
-    )
+    attention_fwd_kernels._attn_fwd does.
+
+    SPLIT (flash-decoding, fp16/bf16, few query blocks): axis 0 also counts n_splits splits of each row's block
+    list; a split attends its share of the blocks and writes its normalised output and lse (fp32) to O_PART
+    (splits, B, Hq, Sq, D) and L_PART (splits, B, Hq, Sq), which _flex_combine merges."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first, as attention_blocks.query_program
+    split = pid % n_splits
+    m0 = (pid // n_splits) * BLOCK_M
+    h64 = tl.program_id(1).to(tl.int64)
+    b64 = tl.program_id(2).to(tl.int64)
+    kvh64 = h64 // group
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -136,6 +147,11 @@ def _flex_fwd(
     if DROPOUT:
         seed = tl.load(SEED)
         bh = b64 * tl.num_programs(1) + h64
+    n_full = tl.load(FULL_NUM + row_n) * HAS_FULL
+    n_total = n_full + tl.load(KV_NUM + row_n)
+    chunk = (n_total + n_splits - 1) // n_splits  # this split's share of the list: full blocks, then partial
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_total)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -148,10 +164,12 @@ def _flex_fwd(
                 m_i = tl.where(empty, 0.0, m_i)
         for PART in tl.static_range(0 if HAS_FULL else 1, 2):  # 0 full blocks, 1 partial blocks
             if PART == 0:
-                n_blocks = tl.load(FULL_NUM + row_n)
+                first = lo
+                last = tl.minimum(hi, n_full)
             else:
-                n_blocks = tl.load(KV_NUM + row_n)
-            for i in range(0, n_blocks):
+                first = tl.maximum(lo, n_full) - n_full
+                last = hi - n_full
+            for i in range(first, last):
                 if PART == 0:
                     kb = tl.load(FULL_IDX + row_i + i)
                 else:
@@ -216,9 +234,63 @@ def _flex_fwd(
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     if DROPOUT:
         out = out * drop_scale
-    O_base = Out + b64 * sob + h64 * soh
-    tl.store(O_base + offs_m[:, None] * sos + offs_d[None, :] * sod, out.to(Out.dtype.element_ty), mask=q_mask)
-    tl.store(LSE + (b64 * tl.num_programs(1) + h64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    row = (b64 * tl.num_programs(1) + h64) * seqlen_q + offs_m
+    if SPLIT:  # (split, batch, head, row) of the workspaces, contiguous
+        part = split.to(tl.int64) * tl.num_programs(2) * tl.num_programs(1) * seqlen_q + row
+        tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=q_mask)
+        tl.store(L_PART + part, lse, mask=offs_m < seqlen_q)
+    else:
+        O_base = Out + b64 * sob + h64 * soh
+        tl.store(O_base + offs_m[:, None] * sos + offs_d[None, :] * sod, out.to(Out.dtype.element_ty), mask=q_mask)
+        tl.store(LSE + row, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _flex_combine(
+    O_PART,
+    L_PART,
+    Out,
+    LSE,
+    sob,
+    sos,
+    soh,
+    sod,
+    seqlen_q,
+    n_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (query blocks, q heads, batch): out = sum_s w_s o_s / sum_s w_s, w_s = exp(lse_s - max lse), and
+    lse = max + log(sum_s w_s), over the splits of _flex_fwd (SPLIT); rows no split saw give 0 and -inf."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    h64 = tl.program_id(1).to(tl.int64)
+    b64 = tl.program_id(2).to(tl.int64)
+    row_ok = offs_m < seqlen_q
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    row = (b64 * tl.num_programs(1) + h64) * seqlen_q + offs_m
+    stride = tl.num_programs(2) * tl.num_programs(1) * seqlen_q  # one split's rows
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(0, n_splits):
+        m = tl.maximum(m, tl.load(L_PART + s * stride + row, mask=row_ok, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(0, n_splits):
+        w = tl.exp(tl.load(L_PART + s * stride + row, mask=row_ok, other=float("-inf")) - m_use)
+        o = tl.load(O_PART + (s * stride + row)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+        total += w
+        acc += w[:, None] * o
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    lse = tl.where(empty, float("-inf"), m_use + tl.log(tl.where(empty, 1.0, total)))
+    tl.store(
+        Out + b64 * sob + h64 * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
+        out.to(Out.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(LSE + row, lse, mask=row_ok)
 
 
 @triton.jit
