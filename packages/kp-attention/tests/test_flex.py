@@ -342,3 +342,29 @@ def test_split_rows_merge_to_the_unsplit_result(sq):
     for out, lse in results.values():
         check_close("out", out, want, low, torch.float16)
         torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-5)
+
+
+def test_a_hand_made_block_mask_stays_in_bounds():
+    """Counts past a list's width and negative indices (a BlockMask built by hand, unchecked) are clamped in the
+    kernels: the call reads inside the tensors and gives finite values; wrong ranks are refused."""
+    q = randn(1, 2, 32, 16)
+    mask = create_block_mask(causal, None, None, 32, 32, DEVICE, 16)
+    bad = BlockMask(
+        mask.seq_lengths,
+        torch.full_like(mask.kv_num_blocks, 99),
+        torch.full_like(mask.kv_indices, -5),
+        None,
+        None,
+        torch.full_like(mask.q_num_blocks, 99),
+        torch.full_like(mask.q_indices, -5),
+        None,
+        None,
+        mask.BLOCK_SIZE,
+        None,
+    )
+    q.requires_grad_()
+    out = flex_attention(q, q, q, block_mask=bad)
+    out.sum().backward()
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(q.grad).all())
+    with pytest.raises(ValueError, match="wrong ranks or shapes"):
+        flex_attention(q, q, q, block_mask=BlockMask(**{**mask.__dict__, "kv_indices": mask.kv_indices[0]}))

@@ -295,6 +295,20 @@ def _check(q, k, v, block_mask, scale, enable_gqa, dropout_p) -> None:
                 f"flex_attention: block_mask was made for (Q_LEN, KV_LEN) {tuple(block_mask.seq_lengths)}, the inputs "
                 f"have {(q.shape[2], sk)}"
             )
+        lists = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.q_num_blocks, block_mask.q_indices)
+        if any(t is None or t.dim() != n for t, n in zip(lists, (3, 4, 3, 4))) or any(
+            full is not None and full.shape != part.shape
+            for full, part in (
+                (block_mask.full_kv_num_blocks, lists[0]),
+                (block_mask.full_kv_indices, lists[1]),
+                (block_mask.full_q_num_blocks, lists[2]),
+                (block_mask.full_q_indices, lists[3]),
+            )
+        ):
+            raise ValueError(
+                "flex_attention: block_mask's lists have the wrong ranks or shapes (make it with "
+                "create_block_mask or BlockMask.from_kv_blocks)"
+            )
         mb, mh = block_mask.kv_num_blocks.shape[:2]
         if mb not in (1, b) or mh not in (1, hq):
             raise ValueError(f"flex_attention: block_mask's (B, H) {(mb, mh)} must be 1 or the query's {(b, hq)}")

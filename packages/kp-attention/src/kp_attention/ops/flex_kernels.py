@@ -147,8 +147,9 @@ def _flex_fwd(
     if DROPOUT:
         seed = tl.load(SEED)
         bh = b64 * tl.num_programs(1) + h64
-    n_full = tl.load(FULL_NUM + row_n) * HAS_FULL
-    n_total = n_full + tl.load(KV_NUM + row_n)
+    # counts past a list's width (siq) and negative indices are clamped: a hand-made BlockMask stays in bounds
+    n_full = tl.minimum(tl.load(FULL_NUM + row_n), siq) * HAS_FULL
+    n_total = n_full + tl.minimum(tl.load(KV_NUM + row_n), siq)
     chunk = (n_total + n_splits - 1) // n_splits  # this split's share of the list: full blocks, then partial
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_total)
@@ -171,9 +172,9 @@ def _flex_fwd(
                 last = hi - n_full
             for i in range(first, last):
                 if PART == 0:
-                    kb = tl.load(FULL_IDX + row_i + i)
+                    kb = tl.maximum(tl.load(FULL_IDX + row_i + i), 0)
                 else:
-                    kb = tl.load(KV_IDX + row_i + i)
+                    kb = tl.maximum(tl.load(KV_IDX + row_i + i), 0)
                 for sub in range(0, KV_BLOCK // BLOCK_N):
                     cols = kb * KV_BLOCK + sub * BLOCK_N + offs_n
                     kv_ok = cols < seqlen_k
@@ -413,14 +414,14 @@ def _flex_bwd_dq(
                 tl.store(LSE_FIX + row, lse2, mask=row_ok)
         for PART in tl.static_range(0 if HAS_FULL else 1, 2):
             if PART == 0:
-                n_blocks = tl.load(FULL_NUM + row_n)
+                n_blocks = tl.minimum(tl.load(FULL_NUM + row_n), siq)
             else:
-                n_blocks = tl.load(KV_NUM + row_n)
+                n_blocks = tl.minimum(tl.load(KV_NUM + row_n), siq)
             for i in range(0, n_blocks):
                 if PART == 0:
-                    kb = tl.load(FULL_IDX + row_i + i)
+                    kb = tl.maximum(tl.load(FULL_IDX + row_i + i), 0)
                 else:
-                    kb = tl.load(KV_IDX + row_i + i)
+                    kb = tl.maximum(tl.load(KV_IDX + row_i + i), 0)
                 for sub in range(0, KV_BLOCK // BLOCK_N):
                     cols = kb * KV_BLOCK + sub * BLOCK_N + offs_n
                     kv_ok = cols < seqlen_k
@@ -586,14 +587,14 @@ def _flex_bwd_dkdv(
         bh = b64 * tl.num_programs(1) * group + h64
         for PART in tl.static_range(0 if HAS_FULL else 1, 2):
             if PART == 0:
-                n_blocks = tl.load(FULLQ_NUM + row_n)
+                n_blocks = tl.minimum(tl.load(FULLQ_NUM + row_n), siq)
             else:
-                n_blocks = tl.load(Q_NUM + row_n)
+                n_blocks = tl.minimum(tl.load(Q_NUM + row_n), siq)
             for i in range(0, n_blocks):
                 if PART == 0:
-                    qb = tl.load(FULLQ_IDX + row_i + i)
+                    qb = tl.maximum(tl.load(FULLQ_IDX + row_i + i), 0)
                 else:
-                    qb = tl.load(Q_IDX + row_i + i)
+                    qb = tl.maximum(tl.load(Q_IDX + row_i + i), 0)
                 for sub in range(0, Q_BLOCK // BLOCK_M):
                     rows = qb * Q_BLOCK + sub * BLOCK_M + offs_m
                     q_ok = rows < seqlen_q
