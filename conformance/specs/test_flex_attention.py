@@ -33,7 +33,7 @@ kc.declare(
             "the dense mask"
         ),
         dtypes=DTYPES,
-        properties=("values", "blocks", "switches", "opcheck", "compile"),
+        properties=("values", "blocks", "switches", "opcheck", "compile", "bad_input"),
     )
 )
 
@@ -110,6 +110,87 @@ def mask_mods(c):
     }
 
 
+# ---- a grammar of mods: expression trees composed of closures, drawn by Hypothesis ----
+# Score terms stay bounded (tanh, sigmoid, exp of minus an absolute value, constants in [-2, 2]) so that a drawn
+# tree never overflows the scores; each node is a function of (score, b, h, q_idx, kv_idx) closing over its
+# children, which is what the tracer follows (and what the capture paths walk through).
+
+
+def _leaf_score(kind, c, seed):
+    """(term, its learnable tables)."""
+    h, sq, sk = c["hq"], c["sq"], c["sk"]
+    if kind == "score":
+        return (lambda s, b, hh, i, j: s), []
+    if kind == "distance":
+        return (lambda s, b, hh, i, j: (i - j).abs().float() * -0.05), []
+    if kind == "table":  # a learnable (H, Sq + Sk - 1) relative bias: its gradient is checked
+        table = rand(h, sq + sk - 1, seed=seed, scale=0.5).requires_grad_()
+        return (lambda s, b, hh, i, j: table[hh, i - j + sk - 1]), [table]
+    slopes = torch.linspace(0.05, 0.3, h, device=DEVICE)
+    return (lambda s, b, hh, i, j: slopes[hh] * (j % 7).float()), []
+
+
+def _unary_score(kind, f, k):
+    if kind == "tanh":
+        return lambda s, b, h, i, j: torch.tanh(f(s, b, h, i, j) / 2.0) * 2.0
+    if kind == "sigmoid":
+        return lambda s, b, h, i, j: torch.sigmoid(f(s, b, h, i, j)) * k
+    if kind == "decay":
+        return lambda s, b, h, i, j: torch.exp(-f(s, b, h, i, j).abs()) * k
+    return lambda s, b, h, i, j: f(s, b, h, i, j) * k
+
+
+def _binary_score(kind, f, g):
+    if kind == "add":
+        return lambda s, b, h, i, j: f(s, b, h, i, j) + g(s, b, h, i, j)
+    if kind == "sub":
+        return lambda s, b, h, i, j: f(s, b, h, i, j) - g(s, b, h, i, j)
+    if kind == "where":
+        return lambda s, b, h, i, j: torch.where((i + j) % 3 == 0, f(s, b, h, i, j), g(s, b, h, i, j))
+    return lambda s, b, h, i, j: torch.maximum(f(s, b, h, i, j), g(s, b, h, i, j))
+
+
+def score_tree(draw, c, depth=0):
+    """(mod, description, learnable tables) drawn from the grammar."""
+    choice = draw(st.sampled_from(("leaf", "leaf", "unary", "binary")) if depth < 2 else st.just("leaf"))
+    if choice == "leaf":
+        kind = draw(st.sampled_from(("score", "score", "distance", "table", "slopes")))
+        f, tables = _leaf_score(kind, c, draw(st.integers(0, 999)))
+        return f, kind, tables
+    if choice == "unary":
+        kind, k = draw(st.sampled_from(("tanh", "sigmoid", "decay", "scale"))), draw(st.sampled_from((-1.5, 0.5, 2.0)))
+        f, text, tables = score_tree(draw, c, depth + 1)
+        return _unary_score(kind, f, k), f"{kind}({text}, {k})", tables
+    kind = draw(st.sampled_from(("add", "sub", "where", "max")))
+    f, tf, ta = score_tree(draw, c, depth + 1)
+    g, tg, tb = score_tree(draw, c, depth + 1)
+    return _binary_score(kind, f, g), f"{kind}({tf}, {tg})", ta + tb
+
+
+def mask_tree(draw, c, depth=0):
+    """(mask_mod, description) drawn from the grammar: the built-in masks, &, | and ~."""
+    builtins = mask_mods(c)
+    choice = draw(st.sampled_from(("leaf", "leaf", "and", "or", "not")) if depth < 2 else st.just("leaf"))
+    if choice == "leaf":
+        name = draw(st.sampled_from(sorted(n for n in builtins if n != "none")))
+        return builtins[name], name
+    if choice == "not":
+        f, text = mask_tree(draw, c, depth + 1)
+        return (lambda b, h, i, j: ~f(b, h, i, j)), f"~{text}"
+    (f, tf), (g, tg) = mask_tree(draw, c, depth + 1), mask_tree(draw, c, depth + 1)
+    combine = and_masks if choice == "and" else or_masks
+    return combine(f, g), f"{choice}({tf}, {tg})"
+
+
+@st.composite
+def grammar_cases(draw):
+    """A case of flex_cases with a drawn score tree and mask tree in place of the named builders."""
+    c = draw(flex_cases())
+    score, text, tables = score_tree(draw, c)
+    mask, mask_text = mask_tree(draw, c) if draw(st.booleans()) else (None, "none")
+    return dict(c, score=text, mask=mask_text, score_fn=score, tables=tables, mask_fn=mask)
+
+
 @st.composite
 def flex_cases(draw):
     hkv = draw(st.sampled_from((1, 2)))
@@ -139,8 +220,8 @@ def reference(q, k, v, score_mod, mask_mod, dtype, keep=None, p=0.0):
         torch.arange(n, device=DEVICE).view(*[-1 if a == x else 1 for a in range(4)])
         for x, n in enumerate((b, hq, sq, k.shape[2]))
     )
-    if score_mod is not None:
-        s = score_mod(s, ib, ih, iq, ik).to(dtype)
+    if score_mod is not None:  # a mod that ignores the score still gives every (batch, head) a row
+        s = score_mod(s, ib, ih, iq, ik).to(dtype).expand_as(s)
     if mask_mod is not None:
         s = s.masked_fill(~mask_mod(ib, ih, iq, ik), float("-inf"))
     probs = torch.softmax(s, -1).nan_to_num(0.0)
@@ -155,7 +236,9 @@ def run(fn, tensors, dout, capture):
         capture.grad = None
     out, lse = fn(*tensors)
     (out.double() * dout.double()).sum().backward()
-    grads = [t.grad for t in tensors] + ([capture.grad.clone()] if capture is not None else [])
+    grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in tensors]  # None: the mod ignores q.k
+    if capture is not None:
+        grads.append(torch.zeros_like(capture) if capture.grad is None else capture.grad.clone())
     return [out.detach(), lse.detach(), *grads]
 
 
@@ -165,11 +248,14 @@ def check_case(c, dtype, block_mask_of=None, **kw):
     k = rand(c["batch"], c["hkv"], c["sk"], c["d"], dtype=dtype, seed=c["seed"] + 1)
     v = rand(c["batch"], c["hkv"], c["sk"], c["d"], dtype=dtype, seed=c["seed"] + 2)
     dout = rand(c["batch"], c["hq"], c["sq"], c["d"], dtype=dtype, seed=c["seed"] + 3)
-    score_mod, capture = score_mods(c)[c["score"]]()
-    mask_mod = mask_mods(c)[c["mask"]]
+    if "score_fn" in c:  # a drawn tree (grammar_cases); its first learnable table is the checked capture
+        score_mod, capture, mask_mod = c["score_fn"], (c["tables"] or [None])[0], c["mask_fn"]
+    else:
+        score_mod, capture = score_mods(c)[c["score"]]()
+        mask_mod = mask_mods(c)[c["mask"]]
     mask = None
     if mask_mod is not None:
-        per = c["mask"] == "per batch and head"
+        per = "per batch and head" in c["mask"]
         args = (c["batch"] if per else None, c["hq"] if per else None, c["sq"], c["sk"], DEVICE, c["block"])
         mask = create_block_mask(mask_mod, *args)
         if block_mask_of is not None:
@@ -203,6 +289,15 @@ def check_case(c, dtype, block_mask_of=None, **kw):
 def test_values(dtype, c):
     kc.skip_if_not_covered(dtype, uses_dot=True)
     check_case(c, dtype)
+
+
+@pytest.mark.conformance(kernel="flex_attention", prop="values")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@settings(max_examples=EXAMPLES)
+@given(c=grammar_cases())
+def test_values_of_drawn_expressions(dtype, c):
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    check_case({k: v for k, v in c.items()}, dtype)
 
 
 @pytest.mark.conformance(kernel="flex_attention", prop="blocks")
@@ -371,3 +466,63 @@ def test_compile_fullgraph_equals_eager(dtype):
         results.append((out.detach(), bias.grad))
     assert torch.equal(results[0][0], results[1][0]), "compiled output differs from eager"
     torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=1e-5)  # atomics: order may differ
+
+
+def _bad_mods(q):
+    bias = rand(4, 8)
+    return [
+        ("wrong arity", lambda: flex_attention(q, q, q, lambda s, b, h: s), TypeError, "must take 5 arguments"),
+        (
+            "python branch",
+            lambda: flex_attention(q, q, q, lambda s, b, h, i, j: s if s > 0 else -s),
+            ValueError,
+            "torch.where",
+        ),
+        (
+            "unsupported op",
+            lambda: flex_attention(q, q, q, lambda s, b, h, i, j: torch.erf(s)),
+            ValueError,
+            "not supported",
+        ),
+        (
+            "partial index",
+            lambda: flex_attention(q, q, q, lambda s, b, h, i, j: s + bias[h]),
+            ValueError,
+            "every dimension",
+        ),
+        (
+            "mask arity",
+            lambda: create_block_mask(lambda b, h, i: i > 0, None, None, 16, 16, DEVICE, 16),
+            TypeError,
+            "4 arguments",
+        ),
+        (
+            "float mask",
+            lambda: create_block_mask(lambda b, h, i, j: (i - j).float(), None, None, 16, 16, DEVICE, 16),
+            ValueError,
+            "floats",
+        ),
+        (
+            "mask lengths",
+            lambda: flex_attention(
+                rand(1, 2, 32, 16),
+                rand(1, 2, 32, 16),
+                rand(1, 2, 32, 16),
+                block_mask=create_block_mask(lambda b, h, i, j: i >= j, None, None, 16, 16, DEVICE, 16),
+            ),
+            ValueError,
+            "made for",
+        ),
+        (
+            "block size",
+            lambda: create_block_mask(mask_mods(BASE)["causal"], None, None, 16, 16, DEVICE, 48),
+            ValueError,
+            "BLOCK_SIZE",
+        ),
+        ("gqa off", lambda: flex_attention(rand(1, 4, 16, 16), q, q), ValueError, "enable_gqa"),
+        ("integer q", lambda: flex_attention(q.long(), q, q), TypeError, "float16, bfloat16 or float32"),
+        ("dropout", lambda: flex_attention(q, q, q, dropout_p=-0.1), ValueError, "dropout_p"),
+    ]
+
+
+test_bad_input = kc.bad_input_test("flex_attention", _bad_mods(rand(1, 2, 16, 16)))

@@ -368,3 +368,43 @@ def test_a_hand_made_block_mask_stays_in_bounds():
     assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(q.grad).all())
     with pytest.raises(ValueError, match="wrong ranks or shapes"):
         flex_attention(q, q, q, block_mask=BlockMask(**{**mask.__dict__, "kv_indices": mask.kv_indices[0]}))
+
+
+TABLE = randn(HEADS, 8, seed=21, scale=0.5)
+ZOO = {  # every function the code generator knows, each with its derivative checked through the kernels
+    "sigmoid, sqrt, rsqrt": lambda s, b, h, i, j: torch.sigmoid(s) + torch.sqrt(s.abs() + 1.0) - torch.rsqrt(s * s + 1),
+    "log, log2, exp2": lambda s, b, h, i, j: torch.log(s.abs() + 1.5) + torch.log2(s * s + 2.0) - torch.exp2(-s.abs()),
+    "sin, cos, neg": lambda s, b, h, i, j: -torch.sin(s) + torch.cos(s * 0.5),
+    "pow, minimum, clamp": lambda s, b, h, i, j: (
+        torch.minimum(s**2 * 0.1, s) + (s * s + 1.0) ** 0.5 + s.clamp(min=-1.0)
+    ),
+    "xor, invert, to": lambda s, b, h, i, j: torch.where(
+        ((i > j) ^ (j % 2 == 0)) & ~(i == 3), s, (s * 2).to(torch.float32)
+    ),
+    "zeros_like, full_like, divide": lambda s, b, h, i, j: (
+        s / (torch.full_like(s, 2.0) + torch.zeros_like(s) + (i - j).abs())
+    ),
+    "integer ops": lambda s, b, h, i, j: s + ((i * 3 - j) // 4 % 5).to(torch.float32) * 0.1 + (i.float() / (j + 1)),
+    "table, negative index": lambda s, b, h, i, j: s * TABLE[h, -1 - (i + j) % 8] + TABLE[h, (i - j) % 8],
+}
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_function_of_the_code_generator(name):
+    """Each op the tracer turns into Triton, forward and backward, against float64 (fp32 inputs)."""
+    mod = ZOO[name]
+    q, k, v, dout = (randn(1, HEADS, 20, 16, seed=i) for i in range(4))
+    table = TABLE.requires_grad_() if "table" in name else None
+    grads = {}
+    for which, fn in (
+        ("ours", lambda *t: flex_attention(*t, mod, return_lse=True)),
+        ("ref", lambda *t: reference(*t, mod, None, torch.float64)),
+        ("low", lambda *t: reference(*t, mod, None, torch.float32)),
+    ):
+        if table is not None:
+            table.grad = None
+        grads[which] = run(fn, (q, k, v), dout) + ([table.grad.clone()] if table is not None else [])
+    if table is not None:
+        TABLE.requires_grad_(False)
+    for what, a, w, lo in zip(("out", "lse", "dq", "dk", "dv", "dtable"), *grads.values()):
+        check_close(f"{name} {what}", a, w, lo, torch.float32)
