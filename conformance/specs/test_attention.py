@@ -378,7 +378,7 @@ def test_varlen_matches_per_sequence(dtype):
 # PyTorch's own SDPA tests draw 3-D inputs with small head dims and values uniform in [-9, 9]: logits in the
 # hundreds, rows near one-hot, where dS = P (dP - delta) is all cancellation. delta taken as rowsum(dO * O) from the
 # rounded O made kp's fp16/bf16 dq and dk 5-10x PyTorch's error (dq 0.087 against 0.013 at L = S = 4, head dim 8,
-# fp16); the dQ kernel's exact delta (EXACT_DELTA, attention._exact_delta) fixed it. 3-D through the SDPA drop-in,
+# fp16); the dQ kernel's exact delta (EXACT_DELTA, attention.exact_delta) fixed it. 3-D through the SDPA drop-in,
 # 4-D through flash_attention, every tier.
 LARGE_LOGITS = [((3, 4, 4, 1, 8), "sdpa"), ((2, 17, 23, 1, 8), "sdpa"), ((2, 9, 33, 2, 16), "flash")]
 

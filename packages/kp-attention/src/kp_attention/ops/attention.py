@@ -267,26 +267,34 @@ def _exp_scores(q, k, mask, alibi, p: Params):
         allowed &= rel <= p.window_right
     if p.window_left >= 0:
         allowed &= rel >= -p.window_left
-    s = s.masked_fill(~allowed, float("-inf"))
+    return exp_rows(s.masked_fill(~allowed, float("-inf")))
+
+
+def exp_rows(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e, m) of scores s (-inf where masked): m each row's largest score (0 for a row with no visible key) and
+    e = exp(s - m)."""
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     return torch.exp(s - m), m
 
 
-def _reference_dense(q, k, v, mask, alibi, keep, p: Params):
-    """(out, lse) for (B, S, H, D) tensors, in fp32 from the formula; fully masked rows give 0 and -inf. keep:
-    dropout's (B, H, Sq, Sk) mask, or None."""
-    e, m = _exp_scores(q, k, mask, alibi, p)
-    vf = v.float().transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
+def softmax_lse(e: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, lse) of exp_rows' (e, m): rows with no visible key give 0 and -inf."""
     denom = e.sum(-1, keepdim=True)
     has = denom > 0
     denom_safe = torch.where(has, denom, torch.ones_like(denom))
-    probs = e / denom_safe
+    lse = torch.where(has, torch.log(denom_safe) + m, torch.full_like(m, float("-inf")))
+    return e / denom_safe, lse.squeeze(-1)
+
+
+def _reference_dense(q, k, v, mask, alibi, keep, p: Params):
+    """(out, lse) for (B, S, H, D) tensors, in fp32 from the formula; fully masked rows give 0 and -inf. keep:
+    dropout's (B, H, Sq, Sk) mask, or None."""
+    probs, lse = softmax_lse(*_exp_scores(q, k, mask, alibi, p))
+    vf = v.float().transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
     if keep is not None:
         probs = probs * keep * dropout.keep_scale(p.dropout_p)
-    out = probs @ vf
-    lse = torch.where(has, torch.log(denom_safe) + m, torch.full_like(m, float("-inf")))
-    return out.transpose(1, 2).to(q.dtype), lse.squeeze(-1)
+    return (probs @ vf).transpose(1, 2).to(q.dtype), lse
 
 
 def signed_exp_scores(q, k, alibi, seed, first_batch: int, p: Params) -> torch.Tensor:
@@ -445,7 +453,7 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params, block_table=
 EXACT_DELTA_MAX_HEAD_DIM = 32
 
 
-def _exact_delta(dtype: torch.dtype, d: int) -> bool:
+def exact_delta(dtype: torch.dtype, d: int) -> bool:
     return dtype != torch.float32 and d <= EXACT_DELTA_MAX_HEAD_DIM
 
 
@@ -470,7 +478,7 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     lse = lse.contiguous()
     ieee = q.dtype == torch.float32
-    exact = _exact_delta(q.dtype, d)
+    exact = exact_delta(q.dtype, d)
     # the fp32 path's delta is subtracted from fp64 dP (attention_bwd_kernels._attn_bwd_dq): kept in fp64
     delta = torch.empty_like(lse, dtype=torch.float64 if ieee else torch.float32)
     # and its lse, corrected by _attn_bwd_dq so each row's P sums to 1 (the dK/dV kernel reads that one)

@@ -330,7 +330,7 @@ def _attn_bwd_dq(
     sum_j P_ij: P = exp(s - lse) sums to 1 only within ulps of the fp32 lse, and dP - delta cancels, amplifying any
     such residue. A row with one visible key gets P = 1 and dS = 0 exactly, as in PyTorch.
 
-    EXACT_DELTA (fp16/bf16, small head dims: attention._exact_delta) makes PASS 0 too, in fp32: rowsum(dO * O) from
+    EXACT_DELTA (fp16/bf16, small head dims: attention.exact_delta) makes PASS 0 too, in fp32: rowsum(dO * O) from
     the rounded O is off by |dO| |O| ulps of O, which a near one-hot row (large logits) turns into all of its dS,
     where sum_j P_ij dP_ij is exact to fp32."""
     b64, h64, kvh64, q_start, k_start, seqlen_q, seqlen_k, m0, diag = query_program(

@@ -14,7 +14,16 @@ import torch
 
 import kp_core
 from kp_attention.ops import decode, dropout, flex_codegen
-from kp_attention.ops.attention import DTYPES, MAX_HEAD_DIM, PACKAGE, block_dim, launch_tiles
+from kp_attention.ops.attention import (
+    DTYPES,
+    MAX_HEAD_DIM,
+    PACKAGE,
+    block_dim,
+    exact_delta,
+    exp_rows,
+    launch_tiles,
+    softmax_lse,
+)
 
 if kp_core.has_triton():
     from kp_attention.ops import attention_bwd_kernels
@@ -24,7 +33,6 @@ OP = "kp::flex_attention"
 OP_BWD = f"{OP}_backward"
 OP_BLOCKS = "kp::flex_block_mask"
 SPEC = "flex_attention"
-EXACT_DELTA_MAX_HEAD_DIM = 32  # as attention.EXACT_DELTA_MAX_HEAD_DIM, for the same reason
 
 
 def _bshd(t: torch.Tensor) -> tuple:
@@ -133,21 +141,12 @@ def _reference_forward(q, k, v, lists, seed, score_caps, mask_caps, score_key, m
         keep = keep | ((cls == 1) & mask.evaluate(mask_caps, b, h, i, j).bool())
     else:
         keep = keep | (cls == 1)
-    s = s.masked_fill(~keep, float("-inf"))
-    m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m)
-    denom = e.sum(-1, keepdim=True)
-    has = denom > 0
-    denom_safe = torch.where(has, denom, torch.ones_like(denom))
-    probs = e / denom_safe
+    probs, lse = softmax_lse(*exp_rows(s.masked_fill(~keep, float("-inf"))))
     if dropout_p > 0:
         bh = torch.arange(bsz * hq, device=q.device)
         keep_d = dropout.keep_mask(seed, bh, sq, sk, dropout_p).view(bsz, hq, sq, sk)
         probs = probs * keep_d * dropout.keep_scale(dropout_p)
-    out = probs @ vf
-    lse = torch.where(has, torch.log(denom_safe) + m, torch.full_like(m, float("-inf"))).squeeze(-1)
-    return out.to(q.dtype), lse.float()
+    return (probs @ vf).to(q.dtype), lse.float()
 
 
 # ---- launchers ----
@@ -341,7 +340,7 @@ def backward(
     bsz, hq, sq, d = q.shape
     sk, hkv = k.shape[2], k.shape[1]
     ieee = q.dtype == torch.float32
-    exact = not ieee and d <= EXACT_DELTA_MAX_HEAD_DIM
+    exact = exact_delta(q.dtype, d)
     (q, dq), (k, dk), (v, dv) = (_with_grad_buffer(t) for t in (q, k, v))
     # the generated backward adds into the captures that needed a gradient when traced (flex_codegen.Mod)
     wants = [kind[2] for kind in score.capture_kinds] if score is not None else []
