@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kp_conformance as kc
+from kp_conformance import fuzz
 import kp_core
 import kp_norms
 from kp_conformance.references import gelu64, gelu_tanh64, quantize_fp8, silu64
@@ -210,33 +211,102 @@ def test_zero_size(dtype):
             assert all(t.grad.shape == t.shape and t.grad.dtype == t.dtype for t in inputs)
 
 
-def _t(d, shape=(2, 4), dtype=torch.float32):
-    return torch.ones(shape, dtype=dtype, device=d)
+def _pair(d):
+    return dict(gate=torch.randn(3, 16, device=d), up=torch.randn(3, 16, device=d))
 
 
-BAD_INPUTS = [
-    # (description, call, error type, words the message must contain)
-    ("shape mismatch", lambda d: kp_norms.swiglu(_t(d), _t(d, (2, 5))), ValueError, "up"),
-    ("broadcast is not supported", lambda d: kp_norms.geglu(_t(d), _t(d, (4,))), ValueError, "up"),
-    ("odd packed width", lambda d: kp_norms.swiglu_packed(_t(d, (2, 5))), ValueError, "input"),
-    ("0-dim packed input", lambda d: kp_norms.geglu_packed(_t(d, ())), ValueError, "input"),
-    ("integer gate", lambda d: kp_norms.swiglu(_t(d, dtype=torch.int32), _t(d)), TypeError, "gate"),
-    ("bool up", lambda d: kp_norms.geglu(_t(d), _t(d, dtype=torch.bool)), TypeError, "up"),
-    ("integer packed input", lambda d: kp_norms.swiglu_packed(_t(d, dtype=torch.int64)), TypeError, "input"),
-    ("dtype mix", lambda d: kp_norms.swiglu(_t(d), _t(d, dtype=torch.float16)), TypeError, "up"),
-    ("device mix", lambda d: kp_norms.swiglu(_t(d), torch.ones(2, 4, device="meta")), ValueError, "up"),
-    ("not a tensor", lambda d: kp_norms.swiglu([[1.0]], _t(d)), TypeError, "gate"),
-    ("bad approximate", lambda d: kp_norms.geglu(_t(d), _t(d), approximate="erf"), ValueError, "approximate"),
-    ("bad packed approximate", lambda d: kp_norms.geglu_packed(_t(d), approximate=None), ValueError, "approximate"),
-    ("float8 of float64", lambda d: kp_norms.glu_float8(*(_t(d, dtype=torch.float64),) * 2), TypeError, "gate"),
-    ("float8 activation", lambda d: kp_norms.glu_float8(_t(d), _t(d), "relu"), ValueError, "activation"),
-    ("float8 granularity", lambda d: kp_norms.glu_float8(_t(d), _t(d), granularity="blockwise"), ValueError, "granul"),
-    ("float8 dtype", lambda d: kp_norms.glu_float8(_t(d), _t(d), float8_dtype=torch.int8), TypeError, "float8_dtype"),
-    ("float8 shape", lambda d: kp_norms.glu_float8(_t(d), _t(d, (2, 5))), ValueError, "up"),
+def _halves(fn):
+    """torch on a packed [..., 2H] input: fn(gate, up) on its halves."""
+    return lambda input, **kw: fn(*input.chunk(2, -1), **kw)
+
+
+def _torch_geglu(gate, up, approximate="none"):
+    return F.gelu(gate, approximate=approximate) * up
+
+
+GATE = fuzz.Tensor(DTYPES, ranked=False, first=True)
+UP = fuzz.Tensor(DTYPES, sized=(0, 1))
+PACKED = fuzz.Tensor(DTYPES, sized=(1,), ranked=False, first=True)  # an odd last dim is refused
+APPROXIMATE = fuzz.Scalar(bad=("erf", None, 1))
+FLOAT8_IN = (torch.float16, torch.bfloat16, torch.float32)
+
+GLU_TARGETS = [
+    fuzz.Target(
+        "kp_norms.swiglu",
+        "kp-norms",
+        kp_norms.swiglu,
+        _pair,
+        dict(gate=GATE, up=UP),
+        torch_fn=lambda gate, up: F.silu(gate) * up,
+        zero=lambda d: dict(gate=torch.randn(0, 16, device=d), up=torch.randn(0, 16, device=d)),
+        aliases=(("gate", "up"),),
+    ),
+    fuzz.Target(
+        "kp_norms.geglu",
+        "kp-norms",
+        kp_norms.geglu,
+        lambda d: dict(_pair(d), approximate="tanh"),
+        dict(gate=GATE, up=UP, approximate=APPROXIMATE),
+        torch_fn=_torch_geglu,
+        aliases=(("gate", "up"),),
+    ),
+    fuzz.Target(
+        "kp_norms.swiglu_packed",
+        "kp-norms",
+        kp_norms.swiglu_packed,
+        lambda d: dict(input=torch.randn(3, 32, device=d)),
+        dict(input=PACKED),
+        torch_fn=_halves(lambda gate, up: F.silu(gate) * up),
+        zero=lambda d: dict(input=torch.randn(2, 0, 32, device=d)),
+    ),
+    fuzz.Target(
+        "kp_norms.geglu_packed",
+        "kp-norms",
+        kp_norms.geglu_packed,
+        lambda d: dict(input=torch.randn(3, 32, device=d)),
+        dict(input=PACKED, approximate=APPROXIMATE),
+        torch_fn=_halves(_torch_geglu),
+    ),
+    fuzz.Target(
+        "kp_norms.glu_float8",
+        "kp-norms",
+        kp_norms.glu_float8,
+        lambda d: dict(_pair(d), granularity="rowwise"),
+        dict(
+            gate=fuzz.Tensor(FLOAT8_IN, ranked=False, first=True),
+            up=fuzz.Tensor(FLOAT8_IN, sized=(0, 1)),
+            activation=fuzz.Scalar(bad=("relu", None)),
+            granularity=fuzz.Scalar(bad=("blockwise", None)),
+            float8_dtype=fuzz.Scalar(bad=(torch.int8, torch.float16)),
+            power_of_2=fuzz.Scalar(bad=(1, None)),
+        ),
+        zero=lambda d: dict(gate=torch.randn(0, 16, device=d), up=torch.randn(0, 16, device=d)),
+        aliases=(("gate", "up"),),
+    ),
+    fuzz.Target(
+        "kp_norms.GatedMLP",
+        "kp-norms",
+        lambda module, input: module(input),
+        lambda d: dict(module=kp_norms.GatedMLP(16, 32, device=d), input=torch.randn(3, 16, device=d)),
+        dict(input=fuzz.Tensor((torch.float32,), sized=(1,), ranked=False, first=True)),
+        torch_fn=lambda module, input: module.down_proj(F.silu(module.gate_proj(input)) * module.up_proj(input)),
+    ),
+    fuzz.Target(
+        "kp_norms.GatedMLP(...)",
+        "kp-norms",
+        kp_norms.GatedMLP,
+        lambda d: dict(hidden_size=16, intermediate_size=32, activation="silu", device=d),
+        dict(
+            hidden_size=fuzz.Scalar(bad=(-1, 16.0, "16")),
+            intermediate_size=fuzz.Scalar(bad=(-1, None)),
+            activation=fuzz.Scalar(bad=("relu", None)),
+        ),
+        launches=False,
+    ),
 ]
 
 
-test_bad_input = kc.bad_input_test("glu", BAD_INPUTS, DEVICE)
+test_bad_input_fuzz = kc.fuzz_test("glu", GLU_TARGETS)
 
 
 @pytest.mark.conformance(kernel="glu", prop="opcheck")

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kp_conformance as kc
+from kp_conformance import fuzz
 import kp_core
 import kp_norms
 from kp_conformance.references import gelu64, gelu_tanh64, layer64, quantize_fp8, rms64, silu64
@@ -495,86 +496,149 @@ def test_zero_size(name, dtype):
             assert torch.equal(leaves[2].grad, torch.zeros_like(c.w)), "an empty batch must give a zero dw"
 
 
-def _t(d, *shape, dtype=torch.float32):
-    return torch.ones(shape, dtype=dtype, device=d)
+def _rand(d, *shape):
+    return torch.randn(shape, device=d)
 
 
-BAD_INPUTS = [
-    # (description, call, error type, words the message must contain)
-    ("integer input", lambda d: kp_norms.rms_norm(_t(d, 2, 4, dtype=torch.int32), (4,)), TypeError, "input"),
-    ("bool input", lambda d: kp_norms.layer_norm(_t(d, 2, 4, dtype=torch.bool), (4,)), TypeError, "input"),
-    ("not a tensor", lambda d: kp_norms.rms_norm([[1.0, 2.0]], (2,)), TypeError, "input"),
-    ("shape mismatch", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (5,)), ValueError, "normalized_shape"),
-    ("too many dims", lambda d: kp_norms.layer_norm(_t(d, 4), (1, 4)), ValueError, "normalized_shape"),
-    ("empty normalized_shape", lambda d: kp_norms.rms_norm(_t(d, 4), ()), ValueError, "normalized_shape"),
-    ("weight shape", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), _t(d, 3)), ValueError, "weight"),
-    ("bias shape", lambda d: kp_norms.layer_norm(_t(d, 2, 4), (4,), _t(d, 4), _t(d, 5)), ValueError, "bias"),
-    (
-        "integer weight",
-        lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), _t(d, 4, dtype=torch.int64)),
-        TypeError,
-        "weight",
+FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what the norms take
+FLOAT8_IN = (torch.float16, torch.bfloat16, torch.float32)
+INPUT = fuzz.Tensor(FLOAT, sized=(1,), ranked=False, words=("normalized_shape",), first=True)
+ROW = fuzz.Tensor(FLOAT, sized=(0,))  # weight, bias
+NAMES = fuzz.Scalar(bad=((17,), (0,), [16, 1], "16", None, 16.0))
+EPS = fuzz.Scalar(bad=("1e-6", -1.0, math.nan, 1j))
+ACTIVATION = fuzz.Scalar(bad=("relu", 1))
+
+
+def _add(norm):
+    """torch's add + norm: (norm(input + residual), input + residual)."""
+
+    def run(input, residual, **kw):
+        s = input + residual
+        return norm(s, (s.shape[-1],), **kw), s
+
+    return run
+
+
+def _module(cls, *args, **kw):
+    return lambda d: {"module": cls(*args, device=d, **kw), "input": _rand(d, 3, 16)}
+
+
+NORM_TARGETS = [
+    fuzz.Target(
+        "kp_norms.rms_norm",
+        "kp-norms",
+        kp_norms.rms_norm,
+        lambda d: dict(input=_rand(d, 3, 16), normalized_shape=(16,), weight=_rand(d, 16), eps=1e-6),
+        dict(input=INPUT, normalized_shape=NAMES, weight=ROW, eps=EPS),
+        torch_fn=F.rms_norm,
+        zero=lambda d: dict(input=_rand(d, 0, 16), normalized_shape=(16,), weight=_rand(d, 16), eps=1e-6),
     ),
-    ("weight on another device", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), _t("meta", 4)), ValueError, "weight"),
-    (
-        "bias on another device",
-        lambda d: kp_norms.layer_norm(_t(d, 2, 4), (4,), None, _t("meta", 4)),
-        ValueError,
-        "bias",
+    fuzz.Target(
+        "kp_norms.rms_norm(offset, casting, activation)",
+        "kp-norms",
+        kp_norms.rms_norm,
+        lambda d: dict(
+            input=_rand(d, 3, 16),
+            normalized_shape=16,
+            weight=_rand(d, 16),
+            offset=1.0,
+            casting="llama",
+            activation="silu",
+        ),
+        dict(
+            weight=ROW,
+            offset=fuzz.Scalar(bad=(math.inf, "1")),
+            casting=fuzz.Scalar(bad=("bf16", None)),
+            activation=ACTIVATION,
+        ),
     ),
-    ("negative eps", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), None, -1.0), ValueError, "eps"),
-    ("layer_norm eps None", lambda d: kp_norms.layer_norm(_t(d, 2, 4), (4,), eps=None), ValueError, "eps"),
-    (
-        "unknown casting",
-        lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), _t(d, 4), casting="bf16"),
-        ValueError,
-        "casting",
+    fuzz.Target(
+        "kp_norms.layer_norm",
+        "kp-norms",
+        kp_norms.layer_norm,
+        lambda d: dict(input=_rand(d, 3, 16), normalized_shape=(16,), weight=_rand(d, 16), bias=_rand(d, 16)),
+        dict(input=INPUT, normalized_shape=NAMES, weight=ROW, bias=ROW, eps=EPS, activation=ACTIVATION),
+        torch_fn=F.layer_norm,
+        zero=lambda d: dict(input=_rand(d, 2, 0, 16), normalized_shape=(16,)),
     ),
-    ("offset without weight", lambda d: kp_norms.rms_norm(_t(d, 2, 4), (4,), offset=1.0), ValueError, "offset"),
-    (
-        "unknown activation",
-        lambda d: kp_norms.layer_norm(_t(d, 2, 4), (4,), activation="relu"),
-        ValueError,
-        "activation",
+    fuzz.Target(
+        "kp_norms.add_rms_norm",
+        "kp-norms",
+        kp_norms.add_rms_norm,
+        lambda d: dict(input=_rand(d, 3, 16), residual=_rand(d, 3, 16), weight=_rand(d, 16), eps=1e-6),
+        dict(
+            input=fuzz.Tensor(FLOAT, ranked=False, first=True),
+            residual=fuzz.Tensor(FLOAT, sized=(0, 1)),
+            weight=ROW,
+            eps=EPS,
+            activation=ACTIVATION,
+            in_place=fuzz.Scalar(bad=(1, "yes")),
+        ),
+        torch_fn=_add(F.rms_norm),
+        zero=lambda d: dict(input=_rand(d, 0, 16), residual=_rand(d, 0, 16)),
+        aliases=(("input", "residual"),),
     ),
-    ("residual shape", lambda d: kp_norms.add_rms_norm(_t(d, 2, 4), _t(d, 2, 5)), ValueError, "residual"),
-    (
-        "residual dtype",
-        lambda d: kp_norms.add_layer_norm(_t(d, 2, 4), _t(d, 2, 4, dtype=torch.float64)),
-        TypeError,
-        "residual",
+    fuzz.Target(
+        "kp_norms.add_layer_norm",
+        "kp-norms",
+        kp_norms.add_layer_norm,
+        lambda d: dict(input=_rand(d, 3, 16), residual=_rand(d, 3, 16), weight=_rand(d, 16), bias=_rand(d, 16)),
+        dict(
+            input=fuzz.Tensor(FLOAT, ranked=False, first=True),
+            residual=fuzz.Tensor(FLOAT, sized=(0, 1)),
+            weight=ROW,
+            bias=ROW,
+            eps=EPS,
+        ),
+        torch_fn=_add(F.layer_norm),
+        aliases=(("input", "residual"),),
     ),
-    (
-        "residual on another device",
-        lambda d: kp_norms.add_rms_norm(_t(d, 2, 4), _t("meta", 2, 4)),
-        ValueError,
-        "residual",
+    fuzz.Target(
+        "kp_norms.norm_float8",
+        "kp-norms",
+        kp_norms.norm_float8,
+        lambda d: dict(input=_rand(d, 3, 16), weight=_rand(d, 16), residual=_rand(d, 3, 16)),
+        dict(
+            input=fuzz.Tensor(FLOAT8_IN, ranked=False, first=True),
+            weight=ROW,
+            residual=fuzz.Tensor(FLOAT8_IN, sized=(0, 1)),
+            kind=fuzz.Scalar(bad=("batch", None)),
+            granularity=fuzz.Scalar(bad=("blockwise",)),
+            float8_dtype=fuzz.Scalar(bad=(torch.int8, torch.float16, "e4m3")),
+            power_of_2=fuzz.Scalar(bad=(1, "yes")),
+            activation=ACTIVATION,
+        ),
+        zero=lambda d: dict(input=_rand(d, 0, 16)),
+        aliases=(("input", "residual"),),
     ),
-    ("residual not a tensor", lambda d: kp_norms.add_rms_norm(_t(d, 2, 4), 1.0), TypeError, "residual"),
-    ("scalar input", lambda d: kp_norms.add_rms_norm(_t(d), _t(d)), ValueError, "input"),
-    (
-        "module input dtype",
-        lambda d: kp_norms.LayerNorm(4, device=d)(_t(d, 2, 4, dtype=torch.int64)),
-        TypeError,
-        "input",
+    fuzz.Target(
+        "kp_norms.RMSNorm",
+        "kp-norms",
+        lambda module, input: module(input),
+        _module(kp_norms.RMSNorm, 16, eps=1e-6),
+        dict(input=INPUT),
+        torch_fn=lambda module, input: F.rms_norm(input, (16,), module.weight.to(input.dtype), 1e-6),
+    ),
+    fuzz.Target(
+        "kp_norms.LayerNorm",
+        "kp-norms",
+        lambda module, input: module(input),
+        _module(kp_norms.LayerNorm, 16),
+        dict(input=INPUT),
+        torch_fn=lambda module, input: F.layer_norm(input, (16,), module.weight.to(input), module.bias.to(input)),
+    ),
+    fuzz.Target(
+        "kp_norms.RMSNorm(...)",
+        "kp-norms",
+        kp_norms.RMSNorm,
+        lambda d: dict(normalized_shape=16, eps=1e-6, device=d),
+        dict(normalized_shape=fuzz.Scalar(bad=(-1, (), "16", None, 16.0)), eps=EPS, casting=fuzz.Scalar(bad=("bf16",))),
+        launches=False,
     ),
 ]
 
 
-FLOAT8_BAD_INPUTS = [
-    ("float64 input", lambda d: kp_norms.norm_float8(_t(d, 2, 16, dtype=torch.float64)), TypeError, "input"),
-    ("unknown kind", lambda d: kp_norms.norm_float8(_t(d, 2, 16), kind="batch"), ValueError, "kind"),
-    ("granularity", lambda d: kp_norms.norm_float8(_t(d, 2, 16), granularity="blockwise"), ValueError, "granularity"),
-    ("float8_dtype", lambda d: kp_norms.norm_float8(_t(d, 2, 16), float8_dtype=torch.int8), TypeError, "float8_dtype"),
-    ("power_of_2", lambda d: kp_norms.norm_float8(_t(d, 2, 16), power_of_2=1), TypeError, "power_of_2"),
-    ("bias with rms", lambda d: kp_norms.norm_float8(_t(d, 2, 16), None, _t(d, 16)), ValueError, "bias"),
-    ("offset with layer", lambda d: kp_norms.norm_float8(_t(d, 2, 16), kind="layer", offset=1.0), ValueError, "offset"),
-    ("residual shape", lambda d: kp_norms.norm_float8(_t(d, 2, 16), residual=_t(d, 2, 8)), ValueError, "residual"),
-    ("weight shape", lambda d: kp_norms.norm_float8(_t(d, 2, 16), _t(d, 8)), ValueError, "weight"),
-]
-
-
-test_bad_input = kc.bad_input_test("norm", BAD_INPUTS + FLOAT8_BAD_INPUTS, DEVICE)
+test_bad_input_fuzz = kc.fuzz_test("norm", NORM_TARGETS)
 
 
 OPCHECK_FLAGS = [  # (residual, bias, rms, offset, round_n, act, weight dtype)

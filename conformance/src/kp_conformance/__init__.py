@@ -3,7 +3,7 @@
 from kp_conformance import guard
 from kp_conformance.env import arch, device, dtype_id, interpreting, not_covered_reason
 from kp_conformance.launched import assert_kernel_ran, kernel_backend, skip_if_not_covered
-from kp_conformance.spec import SPECS, Spec, bad_input_test, declare
+from kp_conformance.spec import SPECS, Spec, bad_input_test, declare, fuzz_test
 from kp_conformance.strategies import (
     ATTENTION_FAMILIES,
     FAMILIES,
@@ -30,6 +30,7 @@ __all__ = [
     "assert_kernel_ran",
     "atol_for",
     "bad_input_test",
+    "fuzz_test",
     "check_close",
     "check_decode",
     "current",

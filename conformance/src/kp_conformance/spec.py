@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 @dataclass(frozen=True)
@@ -44,3 +46,22 @@ def bad_input_test(kernel: str, cases: Sequence[tuple], *args) -> Callable:
             call(*args)
 
     return test_bad_input
+
+
+def fuzz_test(kernel: str, targets: Sequence) -> Callable:
+    """A spec's bad-input fuzzer (kp_conformance.fuzz): one test per (target, argument, mutation), Hypothesis
+    drawing the mutation's details. Its matrix cell is (kernel, bad_input); bind it to `test_bad_input_fuzz`."""
+    from kp_conformance import env, fuzz, tiers
+
+    by_name = {t.name: t for t in targets}
+    assert len(by_name) == len(targets), "fuzz targets need distinct names"
+    params = [pytest.param(t.name, a, k, id=f"{t.name}:{a}:{k}") for t in targets for a, k in fuzz.cases(t)]
+
+    @pytest.mark.conformance(kernel=kernel, prop="bad_input")
+    @pytest.mark.parametrize("target,arg,kind", params)
+    @settings(max_examples=min(tiers.current().max_examples, 4))
+    @given(data=st.data())
+    def test_bad_input_fuzz(target, arg, kind, data):
+        fuzz.check(by_name[target], arg, kind, data, env.device())
+
+    return test_bad_input_fuzz

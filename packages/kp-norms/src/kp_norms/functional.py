@@ -24,6 +24,29 @@ def _is_size(d) -> bool:
     return isinstance(d, int) and not isinstance(d, bool) and d >= 0  # isinstance: a SymInt under torch.compile
 
 
+def sizes(name: str, normalized_shape) -> tuple:
+    """normalized_shape (an int or a sequence of sizes) as a non-empty tuple."""
+    if _is_size(normalized_shape):
+        shape = (normalized_shape,)
+    elif isinstance(normalized_shape, (list, tuple)):  # torch.Size is a tuple
+        shape = tuple(normalized_shape)
+    else:
+        shape = ()
+    if not shape or not all(_is_size(d) for d in shape):
+        raise ValueError(f"{name}: normalized_shape must be a non-empty sequence of sizes, got {normalized_shape!r}")
+    return shape
+
+
+def check_eps(name: str, eps) -> None:
+    if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0):
+        raise ValueError(f"{name}: eps must be a non-negative number or None, got {eps!r}")
+
+
+def check_casting(name: str, casting) -> None:
+    if casting not in CASTINGS:
+        raise ValueError(f"{name}: casting must be one of {tuple(CASTINGS)}, got {casting!r}")
+
+
 def _check_shape_arg(name, input, normalized_shape) -> tuple:
     # The usual call, one trailing dim as an int or a 1-tuple that matches, costs a few comparisons.
     c = normalized_shape.__class__
@@ -31,14 +54,7 @@ def _check_shape_arg(name, input, normalized_shape) -> tuple:
         n = normalized_shape if c is int else normalized_shape[0]
         if n.__class__ is int and n >= 0 and input.dim() >= 1 and input.shape[-1] == n:
             return (n,)
-    if _is_size(normalized_shape):
-        normalized_shape = (normalized_shape,)
-    elif isinstance(normalized_shape, (list, tuple)):  # torch.Size is a tuple
-        normalized_shape = tuple(normalized_shape)
-    else:
-        normalized_shape = ()
-    if not normalized_shape or not all(_is_size(d) for d in normalized_shape):
-        raise ValueError(f"{name}: normalized_shape must be a non-empty sequence of sizes, got {normalized_shape!r}")
+    normalized_shape = sizes(name, normalized_shape)
     k = len(normalized_shape)
     if input.dim() < k or tuple(input.shape[-k:]) != normalized_shape:
         raise ValueError(
@@ -56,7 +72,7 @@ def _check(name, input, normalized_shape, weight, bias, eps, residual=None) -> t
         kp_core.check_same_dtype(name, "residual", residual, input, "input")
         kp_core.check_same_device(name, input=input, residual=residual)
         kp_core.check_shape(name, "residual", residual, input.shape)
-    if normalized_shape is None:  # the fused add + norm ops normalise the last dim
+    if normalized_shape is ...:  # the fused add + norm ops normalise the last dim
         kp_core.check_tensor(name, "input", input, min_ndim=1)
         normalized_shape = (input.shape[-1],)
     normalized_shape = _check_shape_arg(name, input, normalized_shape)
@@ -68,8 +84,7 @@ def _check(name, input, normalized_shape, weight, bias, eps, residual=None) -> t
                 kp_core.check_same_device(name, input=input, **{arg: t})
             if t.shape != normalized_shape:
                 kp_core.check_shape(name, arg, t, normalized_shape)
-    if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0):
-        raise ValueError(f"{name}: eps must be a non-negative number or None, got {eps!r}")
+    check_eps(name, eps)
     return normalized_shape
 
 
@@ -77,8 +92,7 @@ def _rms_variant(name, weight, offset, casting, act) -> tuple[float, bool, int]:
     """(offset, round_n, activation) of an RMSNorm call."""
     if offset.__class__ is float and offset == 0.0 and casting == "torch" and act is None:  # the usual call
         return 0.0, False, 0
-    if casting not in CASTINGS:
-        raise ValueError(f"{name}: casting must be one of {tuple(CASTINGS)}, got {casting!r}")
+    check_casting(name, casting)
     if not isinstance(offset, (int, float)) or isinstance(offset, bool) or not math.isfinite(offset):
         raise ValueError(f"{name}: offset must be a finite number, got {offset!r}")
     if offset != 0 and weight is None:
@@ -97,6 +111,12 @@ def _rms_eps(eps, dtype) -> float:
     return (
         float(eps) if eps is not None else torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
     )
+
+
+def _flag(name: str, in_place) -> bool:
+    if in_place.__class__ is not bool:  # in_place=1 or "yes" would silently overwrite residual
+        raise TypeError(f"{name}: in_place must be a bool, got {in_place!r}")
+    return in_place
 
 
 def _needs_grad(*tensors) -> bool:
@@ -208,10 +228,10 @@ def add_rms_norm(
     the saved sum intact, so a later in-place update of that buffer makes backward raise, as torch does).
     """
     name = "kp_norms.add_rms_norm"
-    n_shape = _check(name, input, None, weight, None, eps, residual)
+    n_shape = _check(name, input, ..., weight, None, eps, residual)
     offset, round_n, act = _rms_variant(name, weight, offset, casting, activation)
     eps = _rms_eps(eps, input.dtype)
-    return _norm(input, residual, n_shape, weight, None, eps, True, offset, round_n, act, bool(in_place))
+    return _norm(input, residual, n_shape, weight, None, eps, True, offset, round_n, act, _flag(name, in_place))
 
 
 def add_layer_norm(
@@ -226,10 +246,10 @@ def add_layer_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(layer_norm(input + residual), input + residual)` in one pass over the last dim; see add_rms_norm."""
     name = "kp_norms.add_layer_norm"
-    n_shape = _check(name, input, None, weight, bias, eps, residual)
+    n_shape = _check(name, input, ..., weight, bias, eps, residual)
     act = int(by_name(name, activation, ACTIVATIONS))
     eps = _layer_eps(name, eps)
-    return _norm(input, residual, n_shape, weight, bias, eps, False, 0.0, False, act, bool(in_place))
+    return _norm(input, residual, n_shape, weight, bias, eps, False, 0.0, False, act, _flag(name, in_place))
 
 
 class NormFloat8(NamedTuple):
@@ -283,7 +303,7 @@ def norm_float8(
         raise ValueError(f"{name}: kind must be 'rms' or 'layer', got {kind!r}")
     _check_float8(name, float8_dtype, granularity, power_of_2)
     kp_core.check_tensor(name, "input", input, dtypes=FP8_INPUT_DTYPES, min_ndim=1)
-    n_shape = _check(name, input, None, weight, bias, eps, residual)
+    n_shape = _check(name, input, ..., weight, bias, eps, residual)
     rms = kind == "rms"
     if rms:
         if bias is not None:

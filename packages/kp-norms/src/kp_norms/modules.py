@@ -7,7 +7,13 @@ import numbers
 import torch
 from torch import nn
 
-from kp_norms.functional import geglu, layer_norm, rms_norm, swiglu
+from kp_norms.functional import check_casting, check_eps, geglu, layer_norm, rms_norm, sizes, swiglu
+
+
+def _sizes(name: str, normalized_shape) -> tuple:
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        normalized_shape = int(normalized_shape)  # a numpy int, as torch.nn takes
+    return sizes(name, normalized_shape)
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +34,10 @@ class RMSNorm(nn.Module):
         casting: str = "torch",
     ) -> None:
         super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = tuple(normalized_shape)
+        # Checked here, not at the first call, so a wrong setting fails where it is written.
+        self.normalized_shape = _sizes("kp_norms.RMSNorm", normalized_shape)
+        check_eps("kp_norms.RMSNorm", eps)
+        check_casting("kp_norms.RMSNorm", casting)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.offset = offset
@@ -70,9 +77,8 @@ class LayerNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = tuple(normalized_shape)
+        self.normalized_shape = _sizes("kp_norms.LayerNorm", normalized_shape)
+        check_eps("kp_norms.LayerNorm", eps)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         factory = {"device": device, "dtype": dtype}
@@ -108,6 +114,9 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        for arg, n in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"kp_norms.GatedMLP: {arg} must be a non-negative int, got {n!r}")
         factory = {"bias": bias, "device": device, "dtype": dtype}
         self._init(
             nn.Linear(hidden_size, intermediate_size, **factory),

@@ -87,6 +87,11 @@ def out_dtype(x: torch.Tensor, weight: Optional[torch.Tensor], round_n: bool) ->
     return torch.promote_types(x.dtype, weight.dtype) if round_n and weight is not None else x.dtype
 
 
+def _vector(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A weight or bias the kernels can index as w[col]: a strided view is copied (it is one row)."""
+    return t if t is None or t.stride(0) == 1 else t.contiguous()
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A 2-D view whose columns are unit-stride (rows may be strided); copies only when it must."""
     return t if t.stride(1) == 1 or t.shape[1] == 1 else t.contiguous()
@@ -226,6 +231,7 @@ def _forward(op, x, residual, weight, bias, eps, rms, offset, round_n, act, stat
     for cast = (data, scale, amax), y cast to float8 (scale and amax (M,) rowwise, 0-d tensorwise); else None."""
     backend = kp_core.choose_backend(op, x)
     has_r = residual is not None
+    weight, bias = _vector(weight), _vector(bias)
     if backend == kp_core.REFERENCE or x.numel() == 0:
         kp_core.reference(op)
         s = x + residual if has_r else x
@@ -387,6 +393,7 @@ def _backward(op, dy, ds, x, weight, bias, mean, rstd, eps, rms, offset, round_n
         return _reference_backward(dy, ds, x, weight, bias, eps, rms, offset, round_n, act)
     m, n = x.shape
     x, dy = _rows(x), _rows(dy)
+    weight, bias = _vector(weight), _vector(bias)
     ds = None if ds is None else _rows(ds)
     has_w, has_b = weight is not None, bias is not None
     plan = _backward_plan(
