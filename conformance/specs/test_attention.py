@@ -9,6 +9,7 @@ SDPA with the same mask made explicit, or, with softcap (which SDPA lacks), Hugg
 KV-cache decoding has its own spec, test_decode.py.
 """
 
+import itertools
 import math
 
 import pytest
@@ -22,6 +23,7 @@ import kp_conformance as kc
 import kp_core
 from kp_attention.ops import attention as attention_mod
 from kp_attention.ops import dropout
+from kp_conformance import fuzz
 from kp_conformance.references import allowed, attention64, attention_lowp, lse_lowp
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -470,67 +472,123 @@ def test_determinism(dtype):
         assert torch.equal(a, b_), "repeated calls differ"
 
 
-def _t(*shape, dtype=torch.float16, device=None):
-    return torch.zeros(shape, dtype=dtype, device=DEVICE if device is None else device)
+def _qkv(d, b=1, s=8, h=2, dim=16, kv_heads=2):
+    def r(*shape):
+        return torch.randn(shape, dtype=torch.float16, device=d)
+
+    return dict(q=r(b, s, h, dim), k=r(b, s, kv_heads, dim), v=r(b, s, kv_heads, dim))
 
 
-FA = kp_attention.flash_attention
-BAD_INPUTS = [
-    ("not a tensor", lambda: FA([[1.0]], _t(1, 4, 1, 8), _t(1, 4, 1, 8)), TypeError, "q"),
-    ("integer q", lambda: FA(_t(1, 4, 1, 8, dtype=torch.int32), _t(1, 4, 1, 8), _t(1, 4, 1, 8)), TypeError, "q"),
-    ("dtype mix", lambda: FA(_t(1, 4, 1, 8), _t(1, 4, 1, 8, dtype=torch.float32), _t(1, 4, 1, 8)), TypeError, "k"),
-    ("head dims differ", lambda: FA(_t(1, 4, 2, 8), _t(1, 4, 2, 16), _t(1, 4, 2, 16)), ValueError, "head dim"),
-    ("kv heads do not divide", lambda: FA(_t(1, 4, 3, 8), _t(1, 4, 2, 8), _t(1, 4, 2, 8)), ValueError, "head"),
-    ("wrong ndim", lambda: FA(_t(4, 2, 8), _t(4, 2, 8), _t(4, 2, 8)), ValueError, "q"),
-    ("k/v length mismatch", lambda: FA(_t(1, 4, 1, 8), _t(1, 4, 1, 8), _t(1, 5, 1, 8)), ValueError, "v"),
-    ("batch mismatch", lambda: FA(_t(2, 4, 1, 8), _t(1, 4, 1, 8), _t(1, 4, 1, 8)), ValueError, "batch"),
-    ("head dim too large", lambda: FA(_t(1, 4, 1, 512), _t(1, 4, 1, 512), _t(1, 4, 1, 512)), ValueError, "head dim"),
-    ("bad window", lambda: FA(_t(1, 4, 1, 8), _t(1, 4, 1, 8), _t(1, 4, 1, 8), window=(-2, 0)), ValueError, "window"),
-    (
-        "negative softcap",
-        lambda: FA(_t(1, 4, 1, 8), _t(1, 4, 1, 8), _t(1, 4, 1, 8), softcap=-1.0),
-        ValueError,
-        "softcap",
-    ),
-    ("device mix", lambda: FA(_t(1, 4, 1, 8), _t(1, 4, 1, 8, device="meta"), _t(1, 4, 1, 8)), ValueError, "device"),
-    (
-        "alibi_slopes not fp32",
-        lambda: FA(_t(1, 4, 2, 8), _t(1, 4, 2, 8), _t(1, 4, 2, 8), alibi_slopes=_t(2, dtype=torch.float16)),
-        TypeError,
-        "alibi_slopes",
-    ),
-    (
-        "alibi_slopes of the kv heads",
-        lambda: FA(_t(1, 4, 2, 8), _t(1, 4, 1, 8), _t(1, 4, 1, 8), alibi_slopes=_t(1, dtype=torch.float32)),
-        ValueError,
-        "alibi_slopes",
-    ),
-    (
-        "cu_seqlens not int32",
-        lambda: kp_attention.flash_attention_varlen(
-            _t(4, 1, 8), _t(4, 1, 8), _t(4, 1, 8), torch.tensor([0, 4]), torch.tensor([0, 4]), 4, 4
+def _torch_fa(q, k, v, causal=False, softcap=0.0, window=(-1, -1), scale=None):
+    """torch's SDPA on FlashAttention's (B, S, H, D) layout (GQA by repeated kv heads)."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(rep, 2) for t in (k, v))
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal, scale=scale)
+    return out.transpose(1, 2)
+
+
+def _sdpa_args(d):
+    q, k, v = (t.transpose(1, 2) for t in _qkv(d).values())
+    return dict(query=q, key=k, value=v)
+
+
+def _cu(d, *lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=d)
+
+
+def _past_end(cu: torch.Tensor) -> torch.Tensor:
+    bad = cu.clone()
+    bad[-1] += 1
+    return bad
+
+
+HALF = (torch.float16, torch.bfloat16, torch.float32)
+Q = fuzz.Tensor(HALF, sized=(3,), words=("head dim",), first=True)
+KV = fuzz.Tensor(HALF, sized=(0, 2, 3), words=("batch", "head"))
+WINDOW = fuzz.Scalar(bad=((-2, 0), (0,), "0", None))
+SOFTCAP = fuzz.Scalar(bad=(-1.0, math.nan, "1"))
+SCALE = fuzz.Scalar(bad=("1", math.nan))
+DROPOUT = fuzz.Scalar(bad=(-0.1, 1.5, "0.1"))
+
+ATTENTION_TARGETS = [
+    fuzz.Target(
+        "kp_attention.flash_attention",
+        "kp-attention",
+        kp_attention.flash_attention,
+        lambda d: dict(_qkv(d), causal=True),
+        dict(
+            q=Q,
+            k=KV,
+            v=fuzz.Tensor(HALF, sized=(0, 1, 2), words=("batch", "head", "k")),
+            window=WINDOW,
+            softcap=SOFTCAP,
+            scale=SCALE,
+            dropout_p=DROPOUT,
+            backend=fuzz.Scalar(bad=("cudnn", None)),
         ),
-        TypeError,
-        "cu_seqlens",
+        torch_fn=_torch_fa,
+        zero=lambda d: dict(_qkv(d, b=0)),
+        aliases=(("k", "v"), ("q", "k")),
     ),
-    (
-        "cu_seqlens decreasing",
-        lambda: kp_attention.flash_attention_varlen(
-            _t(4, 1, 8),
-            _t(4, 1, 8),
-            _t(4, 1, 8),
-            torch.tensor([0, 3, 2, 4], dtype=torch.int32, device=DEVICE),
-            torch.tensor([0, 1, 2, 4], dtype=torch.int32, device=DEVICE),
-            4,
-            4,
+    fuzz.Target(
+        "kp_attention.flash_attention(GQA, ALiBi)",
+        "kp-attention",
+        kp_attention.flash_attention,
+        lambda d: dict(_qkv(d, h=4, kv_heads=2), alibi_slopes=torch.rand(4, device=d)),
+        dict(
+            k=fuzz.Tensor(HALF, sized=(2,), words=("head",)),
+            alibi_slopes=fuzz.Tensor((torch.float32,), sized=(0,), ranked=False, words=("head",), values=False),
         ),
-        ValueError,
-        "cu_seqlens",
+    ),
+    fuzz.Target(
+        "kp_attention.scaled_dot_product_attention",
+        "kp-attention",
+        kp_attention.scaled_dot_product_attention,
+        _sdpa_args,
+        dict(
+            # torch's SDPA takes any number of batch dims and broadcasts them: no rank or batch-size refusals
+            query=fuzz.Tensor(HALF, sized=(3,), ranked=False, words=("head dim",), first=True),
+            key=fuzz.Tensor(HALF, sized=(3,), ranked=False, words=("head dim",)),
+            value=fuzz.Tensor(HALF, sized=(2,), ranked=False, words=("key",)),
+            dropout_p=DROPOUT,
+            backend=fuzz.Scalar(bad=("cudnn", None)),
+        ),
+        torch_fn=lambda query, key, value, **kw: F.scaled_dot_product_attention(query, key, value),
+        aliases=(("key", "value"),),
+    ),
+    fuzz.Target(
+        # the mask's own checks (a NaN in a key the mask hides does not reach kp's output, unlike torch's math
+        # path, so the values are spoiled in the target above, without a mask)
+        "kp_attention.scaled_dot_product_attention(attn_mask)",
+        "kp-attention",
+        kp_attention.scaled_dot_product_attention,
+        lambda d: dict(_sdpa_args(d), attn_mask=torch.rand(8, 8, device=d) > 0.3),
+        dict(attn_mask=fuzz.Tensor((torch.bool, torch.float16, torch.float32), ranked=False, values=False)),
+        zero=lambda d: dict(_sdpa_args(d), attn_mask=torch.ones(8, 0, dtype=torch.bool, device=d)),
+    ),
+    fuzz.Target(
+        "kp_attention.flash_attention_varlen",
+        "kp-attention",
+        kp_attention.flash_attention_varlen,
+        lambda d: (
+            {k: t[0] for k, t in _qkv(d).items()}
+            | dict(cu_seqlens_q=_cu(d, 3, 5), cu_seqlens_k=_cu(d, 3, 5), max_seqlen_q=5, max_seqlen_k=5, causal=True)
+        ),
+        dict(
+            q=fuzz.Tensor(HALF, sized=(0, 2), words=("head dim", "total", "cu_seqlens_q"), first=True),
+            k=fuzz.Tensor(HALF, sized=(0, 1, 2), words=("batch", "head", "total", "cu_seqlens_k")),
+            cu_seqlens_q=fuzz.Tensor((torch.int32,), sized=(0,), values=False, index=_past_end),
+            cu_seqlens_k=fuzz.Tensor((torch.int32,), values=False, index=_past_end, words=("cu_seqlens_q",)),
+            max_seqlen_q=fuzz.Scalar(bad=(2, -1, "5", 5.0)),
+            max_seqlen_k=fuzz.Scalar(bad=(2, None)),
+            window=WINDOW,
+        ),
+        aliases=(("k", "v"),),
     ),
 ]
 
 
-test_bad_input = kc.bad_input_test("flash_attention", BAD_INPUTS)
+test_bad_input_fuzz = kc.fuzz_test("flash_attention", ATTENTION_TARGETS)
 
 
 @pytest.mark.conformance(kernel="flash_attention", prop="opcheck")

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import kp_attention
 import kp_conformance as kc
+from kp_conformance import fuzz
 import kp_core
 from kp_attention.ops import decode as decode_mod
 from kp_conformance import kv_cache, randn
@@ -36,7 +37,7 @@ kc.declare(
             "-slope * |i + L - Sq - j|, keys from cache_leftpad"
         ),
         dtypes=DTYPES,
-        properties=("values", "switches", "append", "opcheck", "compile"),
+        properties=("values", "switches", "append", "opcheck", "compile", "bad_input"),
     )
 )
 
@@ -236,3 +237,71 @@ def test_compile_fullgraph_equals_eager(dtype):
         results.append((out, lse, k_cache, v_cache))
     for a, b in zip(*results):  # the same kernels either way (q * 1 is exact)
         assert torch.equal(a, b)
+
+
+def _cache(d, paged=False):
+    def r(*shape):
+        return torch.randn(shape, dtype=torch.float16, device=d)
+
+    args = dict(q=r(2, 1, 4, 16), cache_seqlens=torch.tensor([3, 20], dtype=torch.int32, device=d))
+    if paged:  # 4 pages of 16 slots, two per sequence
+        table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=d)
+        return dict(args, k_cache=r(4, 16, 2, 16), v_cache=r(4, 16, 2, 16), block_table=table)
+    return dict(args, k_cache=r(2, 32, 2, 16), v_cache=r(2, 32, 2, 16))
+
+
+def _new_tokens(d):
+    return dict(_cache(d), k=torch.randn(2, 1, 2, 16, device=d).half(), v=torch.randn(2, 1, 2, 16, device=d).half())
+
+
+def _over(t: torch.Tensor) -> torch.Tensor:
+    return t + 32  # past the cache's capacity / page count
+
+
+HALF = (torch.float16, torch.bfloat16, torch.float32)
+SEQLENS = fuzz.Tensor((torch.int32,), sized=(0,), values=False, index=_over)
+CACHE = fuzz.Tensor(HALF, sized=(0, 2, 3), words=("batch", "head", "k_cache", "v_cache"))
+DECODE_TARGETS = [
+    fuzz.Target(
+        "kp_attention.flash_attention_with_kvcache",
+        "kp-attention",
+        kp_attention.flash_attention_with_kvcache,
+        _cache,
+        dict(
+            q=fuzz.Tensor(HALF, sized=(3,), words=("head dim",), first=True),
+            k_cache=CACHE,
+            v_cache=CACHE,
+            cache_seqlens=SEQLENS,
+            window=fuzz.Scalar(bad=((-2, 0), "0")),
+            softcap=fuzz.Scalar(bad=(-1.0, "1")),
+            num_splits=fuzz.Scalar(bad=(-1, 1.5, "2")),
+        ),
+        aliases=(("k_cache", "v_cache"),),
+        report=decode_mod.check_inputs,
+    ),
+    fuzz.Target(
+        "kp_attention.flash_attention_with_kvcache(paged)",
+        "kp-attention",
+        kp_attention.flash_attention_with_kvcache,
+        lambda d: _cache(d, paged=True),
+        dict(block_table=fuzz.Tensor((torch.int32,), sized=(0,), values=False, index=_over), cache_seqlens=SEQLENS),
+        report=decode_mod.check_inputs,
+    ),
+    fuzz.Target(
+        "kp_attention.flash_attention_with_kvcache(k, v)",
+        "kp-attention",
+        kp_attention.flash_attention_with_kvcache,
+        _new_tokens,
+        dict(
+            k=fuzz.Tensor(HALF, sized=(0, 2, 3), words=("k_cache", "batch", "head")),
+            v=fuzz.Tensor(HALF, sized=(0, 1, 2, 3), words=("k", "v_cache", "batch", "head")),
+            cache_seqlens=fuzz.Tensor((torch.int32,), values=False, index=lambda t: t + 31),
+        ),
+        mutates=("k_cache", "v_cache"),
+        report=decode_mod.check_inputs,
+        aliases=(("k_cache", "v_cache"), ("k", "v")),
+    ),
+]
+
+
+test_bad_input_fuzz = kc.fuzz_test("decode", DECODE_TARGETS)

@@ -74,6 +74,10 @@ class Target:
     aliases: tuple[tuple[str, str], ...] = ()  # (a, b): a's tensor passed as b too
     launches: bool = True  # an accepted call launches a kernel
     results: Callable = field(default=lambda r: r)  # the tensors of a result (a Float8Tensor -> data, scale)
+    mutates: tuple[str, ...] = ()  # arguments the API writes in place (a KV cache's new tokens)
+    # where out-of-range index values are reported after the call (the kernel stays in bounds and sets a flag):
+    # called after an accepted `index` case, it must raise the ValueError naming the argument
+    report: Callable[[torch.device], None] | None = None
 
 
 def cases(target: Target) -> list[tuple[str, str]]:
@@ -129,7 +133,7 @@ def _tensors(kwargs: dict) -> dict[str, torch.Tensor]:
 def call(target: Target, kwargs: dict):
     """The target on `kwargs`: its result, or the TypeError/ValueError it raised (returned, not raised). Any
     other exception propagates (a failure); an input changed by the call fails."""
-    snapshot = {k: (t, _bytes(t)) for k, t in _tensors(kwargs).items()}
+    snapshot = {k: (t, _bytes(t)) for k, t in _tensors(kwargs).items() if k not in target.mutates}
     try:
         result = target.fn(**kwargs)
     except (TypeError, ValueError) as e:
@@ -216,9 +220,14 @@ def _accepted(target: Target, kwargs: dict, expected, what: str, exact: bool, al
         _close(f"{target.name} ({what}, against float64)", ours, _flat(also(), target), exact)
 
 
+def _valid(target: Target, device: torch.device) -> dict:
+    torch.manual_seed(0)  # the same values each time: a call is compared with a rebuilt one
+    return target.valid(device)
+
+
 def check(target: Target, arg: str, kind: str, data: st.DataObject, device: torch.device) -> None:
     """One fuzz case: spoil `arg` of the target's valid call by `kind` (parameters drawn from `data`)."""
-    kwargs = target.valid(device)
+    kwargs = _valid(target, device)
     if kind == "zero_size":
         empty = target.zero(device)
         expected = (lambda: target.torch_fn(**empty)) if target.torch_fn else None
@@ -228,7 +237,8 @@ def check(target: Target, arg: str, kind: str, data: st.DataObject, device: torc
         return _accepted(target, empty, expected, "an empty call", exact=False, launch=False)
     if kind == "alias":
         a, b = arg.split("=")
-        copy = dict(kwargs, **{b: kwargs[a].clone()})
+        fresh = _valid(target, device)  # the call with a copy, on its own inputs (the target may write in place)
+        copy = dict(fresh, **{b: fresh[a].clone()})
         kwargs[b] = kwargs[a]
         return _accepted(target, kwargs, lambda: target.fn(**copy), f"{a} passed as {b}", exact=True)
     dom = target.args[arg]
@@ -257,12 +267,20 @@ def check(target: Target, arg: str, kind: str, data: st.DataObject, device: torc
         bad = _grown(t, dim)
         return expect_refusal(target, dict(kwargs, **{arg: bad}), names, f"{arg} of shape {tuple(bad.shape)}")
     if kind == "index":
-        return expect_refusal(target, dict(kwargs, **{arg: dom.index(t)}), names, f"{arg} out of range")
+        bad = dict(kwargs, **{arg: dom.index(t)})
+        if target.report is None or isinstance(call(target, bad), Exception):
+            return expect_refusal(target, bad, names, f"{arg} out of range")
+        try:
+            target.report(device)
+        except ValueError as e:
+            assert any(n in str(e) for n in names), f"{target.name}: the report {e!r} does not name {names}"
+            return
+        raise AssertionError(f"{target.name} took {arg} out of range and its report raised nothing")
     if kind == "strided":
         bad = dict(kwargs, **{arg: _strided(t)})
         return _accepted(target, bad, lambda: target.fn(**kwargs), f"a strided {arg}", exact=True)
     if kind in ("nonfinite", "huge"):
-        spoiled = t.clone()
+        spoiled = t.clone(memory_format=torch.contiguous_format)
         flat = spoiled.view(-1)
         if kind == "nonfinite":
             at = data.draw(st.integers(0, flat.numel() - 1), label="at")

@@ -233,11 +233,11 @@ def flash_attention_varlen(
         q,
         k,
         v,
-        cu_seqlens_q,
-        cu_seqlens_k,
+        cu_seqlens_q.contiguous(),  # the kernels index them with unit stride
+        cu_seqlens_k.contiguous(),
         alibi_slopes,
         seed,
-        block_table,
+        None if block_table is None else block_table.contiguous(),
         max_seqlen_q,
         max_seqlen_k,
         p.scale,
@@ -270,7 +270,8 @@ def scaled_dot_product_attention(
     additive float mask, broadcastable to (..., L, S); it gets no gradient (an attn_mask that requires grad is an
     error). dropout_p > 0: FlashAttention's dropout of the probabilities (see flash_attention; torch draws its mask
     differently, so the values differ from torch's for the same seed). Differences from torch: rows whose keys are
-    all masked give 0 (torch gives NaN). The usual (B, H, L, E) inputs are read in place (no copies) and give a
+    all masked give 0 (torch gives NaN); a NaN or inf in a key or value that a boolean mask hides does not reach
+    the output (torch's math path adds the mask to the scores and gives NaN). The usual (B, H, L, E) inputs are read in place (no copies) and give a
     (B, H, L, E) view of a (B, L, H, E)-contiguous tensor; broadcast batch dimensions that cannot be merged into
     one, and Ev != E (the shorter head dim is zero-padded), cost a copy.
     softcap (keyword only, not torch's): softcap * tanh(s / softcap) of the scaled scores before the mask is
@@ -314,7 +315,8 @@ def scaled_dot_product_attention(
     two_d = max(query.dim(), key.dim(), value.dim()) == 2  # _sdpa_layout added a heads dim of 1: dropped again
     mask = None
     if attn_mask is not None:
-        kp_core.check_tensor(op, "attn_mask", attn_mask, dtypes=(torch.bool, *kp_core.FLOAT_DTYPES))
+        # torch's rule: bool, float32, or the query's dtype
+        kp_core.check_tensor(op, "attn_mask", attn_mask, dtypes=(torch.bool, torch.float32, query.dtype))
         kp_core.check_same_device(op, query=query, attn_mask=attn_mask)
         if attn_mask.requires_grad:
             raise ValueError(f"{op}: attn_mask requires grad, but gradients w.r.t. the mask are not supported")
@@ -452,6 +454,7 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window
         new = k.shape[1]
         kp_core.check_shape(KV_OP, "k", k, (batch, new, hkv, d))
         kp_core.check_shape(KV_OP, "v", v, (batch, new, hkv, d))
+        kp_core.check_no_overlap(KV_OP, "k_cache", k_cache, "v_cache", v_cache)  # both get the new tokens
     if not isinstance(cache_seqlens, torch.Tensor) and not 0 <= cache_seqlens <= capacity - new:
         raise ValueError(
             f"{KV_OP}: cache_seqlens ({cache_seqlens}) plus new tokens ({new}) must lie in [0, {capacity}] (the cache)"

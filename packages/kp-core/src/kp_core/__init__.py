@@ -14,6 +14,7 @@ from kp_core.backend import (
 from kp_core.checks import (
     FLOAT_DTYPES,
     check_index_fits,
+    check_no_overlap,
     check_same_device,
     check_same_dtype,
     check_shape,
@@ -70,6 +71,7 @@ __all__ = [
     "atol_for",
     "cdiv",
     "check_index_fits",
+    "check_no_overlap",
     "check_same_device",
     "check_same_dtype",
     "check_shape",

@@ -64,3 +64,19 @@ def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
 def check_index_fits(op: str, name: str, count: int, limit: int = INT32_MAX) -> None:
     if count > limit:
         raise ValueError(f"{op}: {name} has {count} elements, more than the kernel's limit of {limit}")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def check_no_overlap(op: str, name: str, tensor: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """Refuse two tensors a call writes (or writes one, reads the other) that share memory: the same start, or
+    intersecting spans where one is contiguous (it then covers its span). Interleaved views of one buffer (k and
+    v halves of a packed cache) pass."""
+    if tensor.numel() == 0 or other.numel() == 0 or tensor.device != other.device:
+        return
+    (a0, a1), (b0, b1) = _byte_span(tensor), _byte_span(other)
+    if a0 == b0 or (a0 < b1 and b0 < a1 and (tensor.is_contiguous() or other.is_contiguous())):
+        raise ValueError(f"{op}: {name} and {other_name} must not share memory (both are written or read back)")
