@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 
 import kp_attention
 import kp_conformance as kc
-from kp_conformance import fuzz
 import kp_core
 from kp_attention.ops import decode as decode_mod
-from kp_conformance import kv_cache, randn
+from kp_conformance import fuzz, kv_cache, randn
 from kp_conformance.references import allowed, kvcache_rows
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

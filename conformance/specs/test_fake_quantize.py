@@ -17,6 +17,7 @@ from torch import nn
 import kp_conformance as kc
 import kp_core
 import kp_precision
+from kp_conformance import fuzz
 from kp_conformance.references import dequantize_fp8, fake_quantize_int, quantize_fp8
 from kp_precision.ops import fake_quantize as fq_mod
 
@@ -303,3 +304,22 @@ def test_reference_is_independent():
     with kp_core.record_launches() as rec:
         y, codes = fake_quantize_int(x, 7, 0)
     assert rec.count() == 0 and codes.tolist() == [[7.0, 2.0, 4.0, -2.0, 0.0]]
+
+
+FUZZ_TARGETS = [
+    fuzz.Target(
+        "kp_precision.fake_quantize",
+        "kp-precision",
+        kp_precision.fake_quantize,
+        lambda d: dict(input=torch.randn(4, 64, device=d), dtype="int4", group_size=32),
+        dict(
+            input=fuzz.Tensor(DTYPES, sized=(1,), ranked=False, words=("group_size",), first=True),
+            dtype=fuzz.Scalar(bad=("int3", torch.int8, None)),
+            group_size=fuzz.Scalar(bad=(0, -32, 24, 32.0, "32")),
+        ),
+        zero=lambda d: dict(input=torch.randn(0, 64, device=d), dtype="int4", group_size=32),
+    ),
+]
+
+
+test_bad_input_fuzz = kc.fuzz_test("fake_quantize", FUZZ_TARGETS)

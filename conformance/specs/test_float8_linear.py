@@ -24,6 +24,7 @@ from torch import nn
 import kp_conformance as kc
 import kp_core
 import kp_precision
+from kp_conformance import fuzz
 from kp_conformance.references import quantize_fp8, scale_of_each, scaled_mm_lowp
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the input's (and output's) dtype
@@ -419,3 +420,29 @@ def test_compile_fullgraph_equals_eager(config):
     (y0, gx0, gw0, b0), (y1, gx1, gw1, b1) = results
     assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
     assert all(torch.equal(a, b) for a, b in zip(b0, b1, strict=True))
+
+
+FUZZ_TARGETS = [
+    fuzz.Target(
+        "kp_precision.Float8Linear",
+        "kp-precision",
+        lambda module, input: module(input),
+        lambda d: dict(module=kp_precision.Float8Linear(32, 48, device=d), input=torch.randn(16, 32, device=d)),
+        dict(input=fuzz.Tensor(DTYPES, sized=(1,), ranked=False, words=("in_features", "weight"), first=True)),
+    ),
+    fuzz.Target(
+        "kp_precision.Float8Config(...)",
+        "kp-precision",
+        kp_precision.Float8Config,
+        lambda d: dict(recipe="tensorwise", scaling="delayed", history_len=16),
+        dict(
+            recipe=fuzz.Scalar(bad=("columnwise", None)),
+            scaling=fuzz.Scalar(bad=("lazy", None)),
+            history_len=fuzz.Scalar(bad=(0, -1, 16.0)),
+        ),
+        launches=False,
+    ),
+]
+
+
+test_bad_input_fuzz = kc.fuzz_test("float8_linear", FUZZ_TARGETS)

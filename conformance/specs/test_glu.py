@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kp_conformance as kc
-from kp_conformance import fuzz
 import kp_core
 import kp_norms
+from kp_conformance import fuzz
 from kp_conformance.references import gelu64, gelu_tanh64, quantize_fp8, silu64
 from kp_core import Activation
 from kp_norms.ops import glu as glu_mod

@@ -14,6 +14,7 @@ from torch import nn
 import kp_conformance as kc
 import kp_core
 import kp_precision
+from kp_conformance import fuzz
 from kp_precision.ops import linear_activation as la_mod
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -210,3 +211,31 @@ def test_compile_fullgraph_equals_eager():
         results.append((y, layer.weight.grad, layer.bias.grad))
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
     assert isinstance(layer, nn.Linear) and layer.state_dict().keys() == nn.Linear(64, 48).state_dict().keys()
+
+
+FUZZ_TARGETS = [
+    fuzz.Target(
+        "kp_precision.linear_activation",
+        "kp-precision",
+        kp_precision.linear_activation,
+        lambda d: dict(
+            input=torch.randn(8, 32, device=d).half(),
+            weight=torch.randn(48, 32, device=d).half(),
+            bias=torch.randn(48, device=d).half(),
+            activation="gelu",
+        ),
+        dict(
+            input=fuzz.Tensor(DTYPES, sized=(1,), ranked=False, words=("weight",), first=True),
+            weight=fuzz.Tensor(DTYPES, sized=(1,), words=("input",)),
+            bias=fuzz.Tensor(DTYPES, sized=(0,), words=("weight",)),
+            activation=fuzz.Scalar(bad=("tanh", 1)),
+        ),
+        torch_fn=lambda input, weight, bias, activation="gelu": F.gelu(F.linear(input, weight, bias)),
+        zero=lambda d: dict(
+            input=torch.randn(0, 32, device=d).half(), weight=torch.randn(48, 32, device=d).half(), bias=None
+        ),
+    ),
+]
+
+
+test_bad_input_fuzz = kc.fuzz_test("linear_activation", FUZZ_TARGETS)

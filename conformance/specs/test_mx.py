@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import kp_conformance as kc
 import kp_core
 import kp_precision
+from kp_conformance import fuzz
 from kp_conformance.references import FP4_GRID, MX_ELEMENTS, mx_quantize, mx_values
 from kp_precision.ops import mx as mx_mod
 
@@ -324,3 +325,28 @@ def test_reference_is_independent():
         elems, byte = mx_quantize(x, "fp4_e2m1")
     assert rec.count() == 0 and byte.tolist() == [[127]]
     assert elems[0, :7].tolist() == [6.0, 4.0, 2.0, 1.0, 0.0, 1.0, -4.0]
+
+
+FUZZ_TARGETS = [
+    fuzz.Target(
+        "kp_precision.mx_quantize",
+        "kp-precision",
+        kp_precision.mx_quantize,
+        lambda d: dict(input=torch.randn(4, 64, device=d), elem="fp4_e2m1"),
+        dict(
+            input=fuzz.Tensor(DTYPES, sized=(1,), ranked=False, first=True),
+            elem=fuzz.Scalar(bad=("fp8", None, torch.float8_e4m3fn)),
+        ),
+        results=lambda r: [r.data.view(torch.uint8), r.scale.view(torch.uint8)],
+    ),
+    fuzz.Target(
+        "kp_precision.mx_dequantize",
+        "kp-precision",
+        kp_precision.mx_dequantize,
+        lambda d: dict(tensor=kp_precision.mx_quantize(torch.randn(4, 64, device=d))),
+        dict(tensor=fuzz.Scalar(bad=(torch.ones(4, 64), None)), dtype=fuzz.Scalar(bad=(torch.int8, "float32"))),
+    ),
+]
+
+
+test_bad_input_fuzz = kc.fuzz_test("mx", FUZZ_TARGETS)

@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kp_conformance as kc
-from kp_conformance import fuzz
 import kp_core
 import kp_norms
+from kp_conformance import fuzz
 from kp_conformance.references import gelu64, gelu_tanh64, layer64, quantize_fp8, rms64, silu64
 from kp_norms.ops import norm as norm_mod
 

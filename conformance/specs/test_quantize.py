@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import kp_conformance as kc
 import kp_core
 import kp_precision
+from kp_conformance import fuzz
 from kp_conformance.references import quantize_fp8
 from kp_precision.ops import quantize as quantize_mod
 
@@ -415,3 +416,44 @@ def test_transpose(dtype):
             kc.assert_kernel_ran(rec, "kp::transpose")
             assert out.dtype == dtype and out.is_contiguous()
             assert torch.equal(out.view(bits_dtype), data.view(bits_dtype).t()), (m, n)
+
+
+def _cast_result(r):
+    return [r.data.view(torch.uint8), r.scale]
+
+
+X = fuzz.Tensor(DTYPES, ranked=False, first=True)
+FUZZ_TARGETS = [
+    fuzz.Target(
+        "kp_precision.quantize",
+        "kp-precision",
+        kp_precision.quantize,
+        lambda d: dict(input=torch.randn(4, 32, device=d), granularity="rowwise"),
+        dict(
+            input=X,
+            dtype=fuzz.Scalar(bad=(torch.float16, torch.int8, "e4m3")),
+            granularity=fuzz.Scalar(bad=("columnwise", None)),
+            power_of_2=fuzz.Scalar(bad=(1, None)),
+        ),
+        zero=lambda d: dict(input=torch.randn(0, 32, device=d), granularity="rowwise"),
+        results=_cast_result,
+    ),
+    fuzz.Target(
+        "kp_precision.quantize(scale)",
+        "kp-precision",
+        kp_precision.quantize,
+        lambda d: dict(input=torch.randn(4, 32, device=d), scale=torch.tensor(0.01, device=d)),
+        dict(input=X, scale=fuzz.Tensor((torch.float32,), ranked=False, values=False)),  # any one-value shape
+        results=_cast_result,
+    ),
+    fuzz.Target(
+        "kp_precision.dequantize",
+        "kp-precision",
+        kp_precision.dequantize,
+        lambda d: dict(tensor=kp_precision.quantize(torch.randn(4, 32, device=d)), dtype=torch.float16),
+        dict(tensor=fuzz.Scalar(bad=(torch.ones(4, 32), None)), dtype=fuzz.Scalar(bad=(torch.int32, "float16"))),
+    ),
+]
+
+
+test_bad_input_fuzz = kc.fuzz_test("quantize", FUZZ_TARGETS)

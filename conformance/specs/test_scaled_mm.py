@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import kp_conformance as kc
 import kp_core
 import kp_precision
+from kp_conformance import fuzz
 from kp_conformance.references import scaled_mm_lowp
 from kp_precision.ops import scaled_mm as mm
 from kp_precision.ops import scaled_mm_route as route
@@ -467,3 +468,33 @@ def test_route():
         assert (kinds, fast) in routed or not gpu, f"a tensorwise call (fast={fast}) did not go to torch._scaled_mm"
     if gpu and hasattr(F, "ScalingType") and torch.cuda.get_device_capability(DEVICE) == (9, 0):
         assert {(("block", "square"), False), (("block", "block"), False)} <= set(routed), f"not routed: {routed}"
+
+
+def _operands(d):
+    a = torch.randn(32, 32, device=d).to(torch.float8_e4m3fn)
+    b = torch.randn(48, 32, device=d).to(torch.float8_e4m3fn).t()  # column-major (K, N)
+    return dict(a=a, b=b, scale_a=torch.rand(32, 1, device=d) + 0.5, scale_b=torch.rand(1, 48, device=d) + 0.5)
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FUZZ_TARGETS = [
+    fuzz.Target(
+        "kp_precision.scaled_mm",
+        "kp-precision",
+        kp_precision.scaled_mm,
+        lambda d: dict(_operands(d), bias=torch.randn(48, device=d).bfloat16()),
+        dict(
+            a=fuzz.Tensor(FP8, sized=(1,), words=("b",), first=True),
+            b=fuzz.Tensor(FP8, sized=(0, 1), words=("a",)),
+            # a one-value scale of any shape is tensorwise: no rank refusals
+            scale_a=fuzz.Tensor((torch.float32,), sized=(0,), ranked=False, values=False),
+            scale_b=fuzz.Tensor((torch.float32,), sized=(1,), ranked=False, values=False),
+            bias=fuzz.Tensor((torch.bfloat16, torch.float32), sized=(0,), words=("out_dtype",), values=False),
+            activation=fuzz.Scalar(bad=("tanh", 1)),
+            out_dtype=fuzz.Scalar(bad=(torch.int32, torch.float8_e4m3fn, "bfloat16")),
+        ),
+    ),
+]
+
+
+test_bad_input_fuzz = kc.fuzz_test("scaled_mm", FUZZ_TARGETS)

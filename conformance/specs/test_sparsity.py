@@ -19,6 +19,7 @@ from torch.sparse._semi_structured_conversions import (
 import kp_conformance as kc
 import kp_core
 import kp_sparsity
+from kp_conformance import fuzz
 from kp_conformance.references import (
     block_scores_2_4,
     blocks_of,
@@ -382,3 +383,39 @@ def test_reference_is_independent():
     assert ref_mask(w).tolist() == [[False, True, True, False, True, True, False, False, True, False, True, False]]
     pats = transposable_patterns()
     assert pats.shape == (90, 16) and pats[0].view(4, 4).tolist()[0] == [1, 1, 0, 0]
+
+
+HALF = (torch.float16, torch.bfloat16)  # what packing takes
+COLUMN_SCALE = fuzz.Tensor((torch.float32, torch.float16, torch.bfloat16), sized=(0,), values=False)
+FUZZ_TARGETS = [
+    fuzz.Target(
+        name,
+        "kp-sparsity",
+        fn,
+        lambda d: dict(weight=torch.randn(32, 64, device=d).half(), column_scale=torch.rand(64, device=d)),
+        dict(
+            weight=fuzz.Tensor(dtypes, sized=(1,), first=True, words=("multiple of 4", "4")), column_scale=COLUMN_SCALE
+        ),
+        results=lambda r: [r] if isinstance(r, torch.Tensor) else list(r),
+    )
+    for name, fn, dtypes in (
+        ("kp_sparsity.mask_2_4", kp_sparsity.mask_2_4, DTYPES),
+        ("kp_sparsity.prune_2_4", kp_sparsity.prune_2_4, DTYPES),
+        ("kp_sparsity.pack_2_4", kp_sparsity.pack_2_4, HALF),
+    )
+] + [
+    fuzz.Target(
+        "kp_sparsity.unpack_2_4",
+        "kp-sparsity",
+        kp_sparsity.unpack_2_4,
+        lambda d: dict(zip(("values", "meta"), kp_sparsity.pack_2_4(torch.randn(32, 64, device=d).half()))),
+        dict(
+            values=fuzz.Tensor(HALF, sized=(0, 1), first=True, words=("meta",)),
+            meta=fuzz.Tensor((torch.int16,), sized=(0, 1), values=False, words=("values",)),
+        ),
+        launches=False,  # torch's own CUTLASS conversion
+    ),
+]
+
+
+test_bad_input_fuzz = kc.fuzz_test("prune_2_4", FUZZ_TARGETS)

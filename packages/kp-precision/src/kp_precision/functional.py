@@ -72,7 +72,9 @@ def quantize(
         kp_core.check_tensor(_NAME, "scale", scale, dtypes=(torch.float32,), device=input.device)
         if scale.numel() != 1:
             raise ValueError(f"{_NAME}: scale must hold one value, got shape {tuple(scale.shape)}")
-    return cast(input, dtype, (block_m, block_k), bool(power_of_2), scale)
+    if power_of_2.__class__ is not bool:
+        raise TypeError(f"{_NAME}: power_of_2 must be a bool, got {power_of_2!r}")
+    return cast(input, dtype, (block_m, block_k), power_of_2, scale)
 
 
 def dequantize(tensor: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -67,6 +67,8 @@ def unpack_2_4(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
 
     kp_core.check_tensor(OP, "values", values, dtypes=prune_op.PACK_DTYPES, ndim=2)
     kp_core.check_tensor(OP, "meta", meta, dtypes=(torch.int16,), device=values.device, ndim=2)
+    if values.shape[1] % 8:
+        raise ValueError(f"{OP}: values must have a multiple of 8 columns (K / 2), got shape {tuple(values.shape)}")
     kp_core.check_shape(OP, "meta", meta, (values.shape[0], values.shape[1] // 8))
     return sparse_semi_structured_to_dense_cutlass(values, meta)
 

@@ -65,6 +65,7 @@ def forward(
             pre.copy_(z)
         return y, pre
     interpret = backend == kp_core.INTERPRET
+    bias = None if bias is None else bias.contiguous()  # the epilogue reads bias[col]
     if kp_core.settings("_linear_activation", tma=True)["tma"] and _tma_fits(x, weight, y):
         _launch_tma(backend, x, weight, bias, y, pre, activation, interpret)
         return y, pre

@@ -129,6 +129,7 @@ def forward(
     if backend == kp_core.REFERENCE:
         kp_core.reference(OP)
         return _reference(a, b, scale_a, scale_b, bias, activation, out_dtype)
+    bias = None if bias is None else bias.contiguous()  # the epilogue reads bias[col]
     rows_a, k_a = scale_layout(scale_a, m, k, "a")
     rows_b, k_b = scale_layout(scale_b, n, k, "b")
     layouts = ((rows_a, k_a), (rows_b, k_b))
