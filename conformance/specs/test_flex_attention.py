@@ -16,6 +16,7 @@ import kp_conformance as kc
 import kp_core
 from kp_attention.flex import BlockMask, and_masks, create_block_mask, flex_attention, or_masks
 from kp_attention.ops import flex, flex_codegen
+from kp_conformance import fuzz
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TIER = kc.current()
@@ -526,3 +527,46 @@ def _bad_mods(q):
 
 
 test_bad_input = kc.bad_input_test("flex_attention", _bad_mods(rand(1, 2, 16, 16)))
+
+
+def _flex_args(d):
+    q, k, v = (torch.randn(1, 2, 16, 16, device=d) for _ in range(3))
+    return dict(query=q, key=k, value=v, score_mod=lambda s, b, h, qi, ki: s + (qi - ki) * 0.1)
+
+
+def _causal(b, h, q, k):
+    return q >= k
+
+
+FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+FUZZ_TARGETS = [
+    fuzz.Target(
+        "kp_attention.flex_attention",
+        "kp-attention",
+        flex_attention,
+        _flex_args,
+        dict(
+            query=fuzz.Tensor(FLOAT, sized=(3,), words=("head dim", "key"), first=True),
+            key=fuzz.Tensor(FLOAT, sized=(0, 1, 3), words=("batch", "head", "query")),
+            value=fuzz.Tensor(FLOAT, sized=(0, 1, 2), words=("batch", "head", "key")),
+            scale=fuzz.Scalar(bad=("1", math.nan)),
+            enable_gqa=fuzz.Scalar(bad=(1, "yes")),
+            dropout_p=fuzz.Scalar(bad=(-0.1, 1.5, "0.1")),
+        ),
+        aliases=(("key", "value"), ("query", "key")),
+    ),
+    fuzz.Target(
+        "kp_attention.create_block_mask",
+        "kp-attention",
+        create_block_mask,
+        lambda d: dict(mask_mod=_causal, B=1, H=2, Q_LEN=16, KV_LEN=16, device=d, BLOCK_SIZE=16),
+        dict(
+            mask_mod=fuzz.Scalar(bad=(None, 3, lambda b, h, q: q)),
+            Q_LEN=fuzz.Scalar(bad=(-1, 1.5, "16")),
+            KV_LEN=fuzz.Scalar(bad=(-1, None)),
+            B=fuzz.Scalar(bad=(-1, 1.5)),
+            BLOCK_SIZE=fuzz.Scalar(bad=(0, 24, 2048, "16")),
+        ),
+    ),
+]
+test_bad_input_fuzz = kc.fuzz_test("flex_attention", FUZZ_TARGETS)

@@ -15,6 +15,7 @@ from torch import nn
 
 import kp_conformance as kc
 import kp_graphs
+from kp_conformance import fuzz
 from kp_graphs.buckets import pad_to
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -250,10 +251,7 @@ def test_decode_loop_with_a_kv_cache(paged):
     assert g.stats.captures == 3
 
 
-BAD_INPUTS = [
-    ("buckets type", lambda: kp_graphs.graphed(nn.Identity(), buckets="x"), TypeError, "sequence of sizes"),
-    ("bucket size", lambda: kp_graphs.graphed(nn.Identity(), buckets=[0]), ValueError, "positive ints"),
-    ("warmup", lambda: kp_graphs.graphed(nn.Identity(), buckets=[2], warmup=0), ValueError, "warmup"),
+BAD_INPUTS = [  # a call's own check, which no argument domain below derives
     (
         "inputs disagree",
         lambda: kp_graphs.graphed(nn.Identity(), buckets=[2])(torch.zeros(2, 3), torch.zeros(3, 3)),
@@ -262,3 +260,21 @@ BAD_INPUTS = [
     ),
 ]
 test_bad_input = kc.bad_input_test("graphs", BAD_INPUTS)
+
+FUZZ_TARGETS = [
+    fuzz.Target(
+        "kp_graphs.graphed",
+        "kp-graphs",
+        kp_graphs.graphed,
+        lambda d: dict(fn=nn.Identity(), buckets=[2, 8], pad=0, warmup=3, name="identity"),
+        dict(
+            fn=fuzz.Scalar(bad=(None, 3)),
+            buckets=fuzz.Scalar(bad=("x", [0], [-2], [2.5], [], None)),
+            warmup=fuzz.Scalar(bad=(0, -1, 1.5, "3")),
+            copy_outputs=fuzz.Scalar(bad=(1, None)),
+            training_step=fuzz.Scalar(bad=(1, "yes")),
+        ),
+        launches=False,
+    ),
+]
+test_bad_input_fuzz = kc.fuzz_test("graphs", FUZZ_TARGETS)

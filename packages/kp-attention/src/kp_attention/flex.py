@@ -238,6 +238,8 @@ def create_block_mask(
 ) -> BlockMask:
     """FlexAttention's create_block_mask: the blocks mask_mod(b, h, q_idx, kv_idx) keeps, classified on the
     device by one kernel (B or H None: the mask does not depend on it). `_compile` is accepted and unused."""
+    if not callable(mask_mod):
+        raise TypeError(f"create_block_mask: mask_mod must be a function (b, h, q_idx, kv_idx), got {mask_mod!r}")
     batch, heads = _positive("B", B, True), _positive("H", H, True)
     q_len, kv_len = _positive("Q_LEN", Q_LEN), _positive("KV_LEN", KV_LEN)
     sizes = _block_size(BLOCK_SIZE)
@@ -281,6 +283,8 @@ def _check(q, k, v, block_mask, scale, enable_gqa, dropout_p) -> None:
         raise ValueError(f"flex_attention: key {tuple(k.shape)} and value {tuple(v.shape)} must match query's batch")
     if not (d == dk == dv) or not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"flex_attention: head dims must be equal and in [1, {MAX_HEAD_DIM}], got {d}, {dk}, {dv}")
+    if enable_gqa.__class__ is not bool:
+        raise TypeError(f"flex_attention: enable_gqa must be a bool, got {enable_gqa!r}")
     if hkv == 0 or hq % hkv or (hq != hkv and not enable_gqa):
         raise ValueError(
             f"flex_attention: query has {hq} heads, key {hkv}: equal, or enable_gqa=True with a multiple of them"

@@ -271,9 +271,9 @@ def scaled_dot_product_attention(
     error). dropout_p > 0: FlashAttention's dropout of the probabilities (see flash_attention; torch draws its mask
     differently, so the values differ from torch's for the same seed). Differences from torch: rows whose keys are
     all masked give 0 (torch gives NaN); a NaN or inf in a key or value that a boolean mask hides does not reach
-    the output (torch's math path adds the mask to the scores and gives NaN). The usual (B, H, L, E) inputs are read in place (no copies) and give a
-    (B, H, L, E) view of a (B, L, H, E)-contiguous tensor; broadcast batch dimensions that cannot be merged into
-    one, and Ev != E (the shorter head dim is zero-padded), cost a copy.
+    the output (torch's math path adds the mask to the scores and gives NaN). The usual (B, H, L, E) inputs are
+    read in place (no copies) and give a (B, H, L, E) view of a (B, L, H, E)-contiguous tensor; broadcast batch
+    dimensions that cannot be merged into one, and Ev != E (the shorter head dim is zero-padded), cost a copy.
     softcap (keyword only, not torch's): softcap * tanh(s / softcap) of the scaled scores before the mask is
     added, as Hugging Face's eager attention does for Gemma 2.
     backend (keyword only): "auto" (torch's own fused SDPA on this call where it can stand for it, no mask, dropout

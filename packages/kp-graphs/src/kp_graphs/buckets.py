@@ -28,10 +28,12 @@ class Buckets:
         self.sizes: dict[int, tuple[int, ...]] = {}
         for dim, sizes in items.items():
             if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
-                raise ValueError(f"graphed: bucket dimensions must be non-negative ints, got {dim!r}")
+                raise ValueError(f"graphed: buckets: dimensions must be non-negative ints, got {dim!r}")
             sizes = list(sizes) if isinstance(sizes, Sequence) and not isinstance(sizes, str) else None
             if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
-                raise ValueError(f"graphed: the sizes of dimension {dim} must be positive ints, got {items[dim]!r}")
+                raise ValueError(
+                    f"graphed: buckets: the sizes of dimension {dim} must be positive ints, got {items[dim]!r}"
+                )
             self.sizes[dim] = tuple(sorted(set(sizes)))
         self.dims = tuple(sorted(self.sizes))
         self._chosen: dict = {}

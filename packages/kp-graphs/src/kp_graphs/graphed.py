@@ -55,6 +55,9 @@ class Graphed:
     def __init__(self, fn, buckets, pad, pool, warmup, copy_outputs, name, training_step=False):
         if not callable(fn):
             raise TypeError(f"graphed: fn must be callable, got {type(fn).__name__}")
+        for arg, flag in (("copy_outputs", copy_outputs), ("training_step", training_step)):
+            if flag.__class__ is not bool:
+                raise TypeError(f"graphed: {arg} must be a bool, got {flag!r}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"graphed: warmup must be an int >= 1 (the runs before capture), got {warmup!r}")
         if not _is_number(pad) and not (isinstance(pad, (tuple, list)) and all(_is_number(p) for p in pad)):
