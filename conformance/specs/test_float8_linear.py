@@ -234,15 +234,22 @@ def test_delayed(dtype):
 
 @pytest.mark.conformance(kernel="float8_linear", prop="state_dict")
 def test_state_dict_round_trip():
-    """A Float8Linear's state_dict is an nn.Linear's: it loads into one (strict) and back; from_linear shares
-    the linear's parameters (no copy) and convert keeps the model's keys."""
+    """A dynamic Float8Linear's state_dict is an nn.Linear's: it loads into one (strict) and back; a delayed one's
+    adds its scaling state (three amax histories and whether they are filled) and still takes an nn.Linear's
+    (strict; its histories start again); from_linear shares the linear's parameters (no copy) and convert keeps
+    the model's keys."""
     lin = nn.Linear(64, 32).to(DEVICE)
-    f8 = kp_precision.Float8Linear.from_linear(lin, config=CONFIGS[1])
+    f8 = kp_precision.Float8Linear.from_linear(lin, config=CONFIGS[0])
     assert f8.weight is lin.weight and f8.bias is lin.bias
     assert f8.state_dict().keys() == lin.state_dict().keys()
     plain = nn.Linear(64, 32).to(DEVICE)
     plain.load_state_dict(f8.state_dict(), strict=True)
     assert torch.equal(plain.weight, lin.weight)
+    delayed = kp_precision.Float8Linear.from_linear(lin, config=CONFIGS[1])
+    scaling = {"amax_history_x", "amax_history_w", "amax_history_grad", "amax_history_filled"}
+    assert delayed.state_dict().keys() == lin.state_dict().keys() | scaling
+    delayed.load_state_dict(plain.state_dict(), strict=True)
+    assert not delayed._history_filled and not delayed.amax_history_filled
     other = kp_precision.Float8Linear(64, 32, device=DEVICE, config=CONFIGS[2])
     other.load_state_dict(plain.state_dict(), strict=True)
     assert torch.equal(other.weight, plain.weight) and torch.equal(other.bias, plain.bias)
@@ -250,6 +257,45 @@ def test_state_dict_round_trip():
     keys = model.state_dict().keys()
     kp_precision.convert_to_float8_training(model)
     assert model.state_dict().keys() == keys
+
+
+def _steps(layer, opt, first, last):
+    """Steps first..last-1 of a small SGD run on the layer (inputs by step), and their outputs."""
+    outs = []
+    for step in range(first, last):
+        x = kc.make_input((32, 64), torch.float32, DEVICE, "contiguous", seed=40 + step) * (1 + step % 3)
+        opt.zero_grad(set_to_none=True)
+        y = layer(x)
+        y.square().mean().backward()
+        opt.step()
+        outs.append(y.detach())
+    return outs
+
+
+@pytest.mark.conformance(kernel="float8_linear", prop="state_dict")
+def test_delayed_resume_is_bit_identical():
+    """Delayed scaling resumed from a state_dict (saved to disk and loaded into a new layer and optimizer)
+    continues exactly as the uninterrupted run: outputs, weights and histories equal bit for bit (before the
+    scaling state was in the state_dict, a resume refilled the histories from the next step's amaxes)."""
+    config = kp_precision.Float8Config("tensorwise", "delayed", history_len=4)
+
+    def fresh():
+        layer = make_layer(64, 32, True, config, torch.float32, 5)
+        return layer, torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    straight, opt = fresh()
+    want = _steps(straight, opt, 0, 6)
+    first, opt = fresh()
+    got = _steps(first, opt, 0, 3)
+    saved = copy.deepcopy((first.state_dict(), opt.state_dict()))
+    second, opt = fresh()
+    second.load_state_dict(saved[0], strict=True)
+    opt.load_state_dict(saved[1])
+    got += _steps(second, opt, 3, 6)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: the resumed run's output differs"
+    for name, t in straight.state_dict().items():
+        assert torch.equal(second.state_dict()[name], t), f"{name} differs after the resumed run"
 
 
 @pytest.mark.conformance(kernel="float8_linear", prop="convert")

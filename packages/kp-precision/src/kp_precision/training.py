@@ -22,8 +22,11 @@ the declared ops directly (kp_precision.shared): inside a step no argument is ch
 
 Delayed scaling (tensorwise only) keeps an amax history per tensor (x, w, gy): the scale is the history's
 maximum / FP8_MAX, the cast is one pass, and the amax the cast returns is pushed into the history. The first
-call fills the history from the current amaxes (dynamic scaling once). The histories are buffers outside the
-state_dict, so a Float8Linear's state_dict is an nn.Linear's; after a load the histories start again.
+call fills the history from the current amaxes (dynamic scaling once). The histories and whether they are filled
+(`amax_history_filled`) are buffers in the state_dict, so a resumed run scales as the uninterrupted one would; an
+nn.Linear's state_dict still loads (strict) into a delayed Float8Linear, whose histories then start again, and a
+delayed Float8Linear's state_dict loads into an nn.Linear without those four keys (or with strict=False).
+Dynamic scaling keeps no state: its state_dict is an nn.Linear's.
 
 An input with a float8 copy attached (kp_precision.attach_float8: a norm that cast its output in its own kernel)
 is not cast again when the copy is this recipe's cast (dynamic scaling, rows a multiple of 16).
@@ -40,6 +43,8 @@ from torch import nn
 from kp_precision.fsdp import Float8AllGatherWeight, high_precision, plain_weight
 from kp_precision.recipes import Float8Config, recipe_for
 from kp_precision.shared import ALIGN, check_aligned, check_input, check_weight, matmul, scale_t
+
+HISTORIES = ("amax_history_x", "amax_history_w", "amax_history_grad")  # delayed scaling: x, w, gy
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -90,9 +95,10 @@ class Float8Linear(nn.Linear):
         self._recipe = recipe_for(self.config)
         if self.config.scaling == "delayed":
             n = self.config.history_len
-            for name in ("amax_history_x", "amax_history_w", "amax_history_grad"):
-                self.register_buffer(name, torch.zeros(n, device=device), persistent=False)
-        self._history_filled = False
+            for name in HISTORIES:
+                self.register_buffer(name, torch.zeros(n, device=device))
+            self.register_buffer("amax_history_filled", torch.zeros((), dtype=torch.bool, device=device))
+        self._history_filled = False  # amax_history_filled's value, kept on the host (no read in forward)
         if self.config.fsdp_float8_all_gather:
             self.weight = _all_gather_weight(self.weight, self.config)
             self._register_state_dict_hook(plain_weight)
@@ -107,9 +113,23 @@ class Float8Linear(nn.Linear):
         )
         new.bias = linear.bias
         if new.config.scaling == "delayed":
-            for name in ("amax_history_x", "amax_history_w", "amax_history_grad"):
+            for name in HISTORIES:
                 setattr(new, name, torch.zeros(new.config.history_len, device=linear.weight.device))
+            new.amax_history_filled = torch.zeros((), dtype=torch.bool, device=linear.weight.device)
         return new
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        if self.config.scaling != "delayed":
+            return
+        keys = [prefix + name for name in (*HISTORIES, "amax_history_filled")]
+        if all(k in state_dict for k in keys):
+            self._history_filled = bool(self.amax_history_filled)  # one read, at load time
+            return
+        # An nn.Linear's (or a dynamic layer's) state_dict: no scaling state, so the histories start again.
+        missing[:] = [k for k in missing if k not in keys]
+        self._history_filled = False
+        self.amax_history_filled.fill_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input("Float8Linear", x, self.in_features)
@@ -129,7 +149,10 @@ class Float8Linear(nn.Linear):
         histories, first = None, False
         if self.config.scaling == "delayed":
             histories = (self.amax_history_x, self.amax_history_w, self.amax_history_grad)
-            first, self._history_filled = not self._history_filled, True
+            first = not self._history_filled
+            if first:
+                self._history_filled = True
+                self.amax_history_filled.fill_(True)
         y = _Float8Matmul.apply(x2, weight, bias, self._recipe, histories, first, pre)
         if x2.shape[0] == m and x.dim() == 2:
             return y
