@@ -29,6 +29,7 @@ TORCH = os.environ.get("KP_TORCH", "torch==2.13.0")
 TORCH_INDEX = os.environ.get("KP_TORCH_INDEX")
 KERNEL_DEPS = ("triton>=3.2", "numpy")
 TEST_DEPS = ("pytest>=8", "pytest-xdist", "hypothesis>=6.100")
+OPINFO_DEPS = ("expecttest",)  # torch's op_db (the opinfo spec's samples) imports it
 HF_DEPS = ("transformers>=4.45",)  # kp-norms' "hf" extra (kp_norms.patch on Hugging Face models)
 # kp-distributed's tests also shard a model built from the kernel packages (its code imports none of them)
 TESTED_WITH = {"kp-distributed": ("kp-norms", "kp-attention", "kp-precision")}
@@ -100,7 +101,7 @@ def conformance(session: nox.Session) -> None:
     """All specs. KP_TIER picks the size tier (small by default; GPU runs use large)."""
     _install_torch(session)
     if _installing(session):
-        session.install(*TEST_DEPS)
+        session.install(*TEST_DEPS, *OPINFO_DEPS)
         session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, *PACKAGES)
     env.update(_cpu_env())
@@ -146,7 +147,7 @@ def memcheck(session: nox.Session) -> None:
     """
     _install_torch(session)
     if _installing(session):
-        session.install(*TEST_DEPS)
+        session.install(*TEST_DEPS, *OPINFO_DEPS)
         session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, *PACKAGES)
     session.run("python", "-m", "kp_conformance.memcheck", "--root", str(ROOT), *session.posargs, env=env)

@@ -38,8 +38,9 @@ def sizes(name: str, normalized_shape) -> tuple:
 
 
 def check_eps(name: str, eps) -> None:
-    if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0):
-        raise ValueError(f"{name}: eps must be a non-negative number or None, got {eps!r}")
+    # Any real number, as torch takes it (a negative eps can make a row's rsqrt NaN there, as in torch).
+    if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool)):
+        raise TypeError(f"{name}: eps must be a number or None, got {eps!r}")
 
 
 def check_casting(name: str, casting) -> None:
@@ -102,7 +103,7 @@ def _rms_variant(name, weight, offset, casting, act) -> tuple[float, bool, int]:
 
 def _layer_eps(name, eps) -> float:
     if eps is None:
-        raise ValueError(f"{name}: eps must be a non-negative number, got None")
+        raise ValueError(f"{name}: eps must be a number, got None")
     return float(eps)
 
 

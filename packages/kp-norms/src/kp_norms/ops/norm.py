@@ -26,6 +26,7 @@ path and the two op declarations: kp::norm (with its backward) and kp::add_norm_
 
 import dataclasses
 import functools
+import math
 import struct
 from typing import NamedTuple, Optional
 
@@ -72,8 +73,11 @@ def _tiles_for(kernel: str, n: int, element_size: int, _generation: int) -> kp_c
 @functools.lru_cache(maxsize=64)
 def split_eps(eps: float) -> tuple[float, float]:
     """eps as fp32 hi + lo halves (see norm_kernels._inv_rms)."""
-    hi = struct.unpack("f", struct.pack("f", eps))[0]
-    return hi, eps - hi
+    try:
+        hi = struct.unpack("f", struct.pack("f", eps))[0]
+    except OverflowError:  # beyond float32: it rounds to inf, as torch's fp32 eps would
+        hi = math.copysign(math.inf, eps)
+    return hi, (eps - hi) if math.isfinite(hi) else 0.0
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
