@@ -15,6 +15,7 @@ the copies).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -168,15 +169,18 @@ class Guard:
             names = _arg_names(kernel, len(args))
             what = f"{op}: kernel {_kernel_name(kernel)}"
             global _READS
-            _READS = (what, guarded, names)
-            try:
-                _run(go, tuple(new))
-            except Exception as e:  # the interpreter wraps what a load check raised
-                if isinstance(e.__cause__, GuardError):
-                    raise e.__cause__ from None
-                raise
-            finally:
-                _READS = None
+            # _READS is the one launch in flight: interpreted launches from several threads take turns here
+            # (compiled ones keep running concurrently; they do not read it).
+            with _INTERPRETED if interpreting() else contextlib.nullcontext():
+                _READS = (what, guarded, names)
+                try:
+                    _run(go, tuple(new))
+                except Exception as e:  # the interpreter wraps what a load check raised
+                    if isinstance(e.__cause__, GuardError):
+                        raise e.__cause__ from None
+                    raise
+                finally:
+                    _READS = None
             for g in guarded:
                 g.check_and_copy_back(what, names)
 
@@ -257,6 +261,7 @@ def _arg_names(fn, n: int) -> list[str]:
 
 # Under Triton's interpreter, loads are checked as they happen: the launch in flight (what, groups, names).
 _READS = None
+_INTERPRETED = threading.Lock()
 
 
 def _check_reads(ptrs, mask) -> None:

@@ -234,8 +234,18 @@ def launch(
     _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plain)
 
 
+# Triton's interpreter swaps triton.language's functions for its own while a kernel runs, for the whole process:
+# two threads interpreting at once break each other ("Did you forget to add @triton.jit ?"). Interpreted launches
+# take turns; compiled ones do not need to.
+_INTERPRETER = threading.Lock()
+
+
 def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plain=False) -> None:
-    if backend == INTERPRET or not _FAST or plain:
+    if backend == INTERPRET:
+        _check_order(kernel, args, consts)
+        with _INTERPRETER:
+            kernel[grid](*args, **consts, **_options(num_warps, num_stages))
+    elif not _FAST or plain:
         _check_order(kernel, args, consts)
         kernel[grid](*args, **consts, **_options(num_warps, num_stages))
     else:
