@@ -29,6 +29,7 @@ from typing import Optional, Union
 
 import torch
 
+import kp_core
 from kp_attention.ops import dropout, flex, flex_codegen
 from kp_attention.ops.attention import DTYPES, MAX_HEAD_DIM, default_scale
 from kp_attention.ops.flex import BLOCKS, FLEX
@@ -283,8 +284,7 @@ def _check(q, k, v, block_mask, scale, enable_gqa, dropout_p) -> None:
         raise ValueError(f"flex_attention: key {tuple(k.shape)} and value {tuple(v.shape)} must match query's batch")
     if not (d == dk == dv) or not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"flex_attention: head dims must be equal and in [1, {MAX_HEAD_DIM}], got {d}, {dk}, {dv}")
-    if enable_gqa.__class__ is not bool:
-        raise TypeError(f"flex_attention: enable_gqa must be a bool, got {enable_gqa!r}")
+    kp_core.check_bool("flex_attention", "enable_gqa", enable_gqa)
     if hkv == 0 or hq % hkv or (hq != hkv and not enable_gqa):
         raise ValueError(
             f"flex_attention: query has {hq} heads, key {hkv}: equal, or enable_gqa=True with a multiple of them"

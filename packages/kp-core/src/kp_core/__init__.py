@@ -13,7 +13,10 @@ from kp_core.backend import (
 )
 from kp_core.checks import (
     FLOAT_DTYPES,
+    check_bool,
+    check_callable,
     check_index_fits,
+    check_module,
     check_no_overlap,
     check_same_device,
     check_same_dtype,
@@ -70,7 +73,10 @@ __all__ = [
     "TRITON",
     "atol_for",
     "cdiv",
+    "check_bool",
+    "check_callable",
     "check_index_fits",
+    "check_module",
     "check_no_overlap",
     "check_same_device",
     "check_same_dtype",

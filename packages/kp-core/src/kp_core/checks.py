@@ -80,3 +80,21 @@ def check_no_overlap(op: str, name: str, tensor: torch.Tensor, other_name: str, 
     (a0, a1), (b0, b1) = _byte_span(tensor), _byte_span(other)
     if a0 == b0 or (a0 < b1 and b0 < a1 and (tensor.is_contiguous() or other.is_contiguous())):
         raise ValueError(f"{op}: {name} and {other_name} must not share memory (both are written or read back)")
+
+
+def check_bool(op: str, name: str, value: object) -> bool:
+    """A flag must be a bool: 1 or "yes" would be taken as True silently (an in-place write, a mode switch)."""
+    if value.__class__ is not bool:
+        raise TypeError(f"{op}: {name} must be a bool, got {value!r}")
+    return value
+
+
+def check_module(op: str, name: str, module: object) -> torch.nn.Module:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{op}: {name} must be a torch.nn.Module, got {type(module).__name__}")
+    return module
+
+
+def check_callable(op: str, name: str, fn: object, optional: bool = True) -> None:
+    if not (callable(fn) or (optional and fn is None)):
+        raise TypeError(f"{op}: {name} must be a function{' or None' if optional else ''}, got {fn!r}")

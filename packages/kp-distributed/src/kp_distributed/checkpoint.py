@@ -11,6 +11,7 @@ rank sees (a shared one across nodes), as DCP needs.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -27,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from kp_distributed.mesh import check_model
+
 _STEP = re.compile(r"^step-(\d{8})$")
 
 
@@ -41,6 +44,7 @@ def _barrier() -> None:
 
 def fingerprint(model: nn.Module) -> dict[str, list[int]]:
     """Every parameter's name and global shape (a sharded DTensor's full shape)."""
+    check_model("fingerprint", model)
     return {_clean(name): list(p.shape) for name, p in model.named_parameters()}
 
 
@@ -67,6 +71,8 @@ class Checkpointer:
     def __init__(self, folder, *, keep: int | None = 3, async_save: bool = False):
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ValueError(f"Checkpointer: keep must be None or an int >= 1, got {keep!r}")
+        if not isinstance(folder, (str, os.PathLike)):
+            raise TypeError(f"Checkpointer: folder must be a path (str or os.PathLike), got {type(folder).__name__}")
         self.folder = Path(folder)
         self.keep, self.async_save = keep, async_save
         self._pending = None  # (future, step, fingerprint) of an async save not yet made complete
@@ -180,6 +186,7 @@ def export(model: nn.Module, path) -> None:
     """Write the whole model's weights, unsharded, to one file on rank 0 for inference: safetensors where the
     path ends in .safetensors (needs the safetensors package), else torch.save. Every rank must call it (the
     shards are gathered)."""
+    check_model("export", model)
     path = Path(path)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)

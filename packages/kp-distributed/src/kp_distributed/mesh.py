@@ -73,3 +73,8 @@ def init(backend: str | None = None, timeout: datetime.timedelta | None = None) 
     store, rank, world = next(dist.rendezvous("env://", **kw))
     store = dist.PrefixStore(f"kp_distributed/attempt_{attempt}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
+
+
+def check_model(caller: str, model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{caller}: model must be a torch.nn.Module, got {type(model).__name__}")

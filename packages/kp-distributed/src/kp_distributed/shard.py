@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from kp_distributed.mesh import STRATEGIES, make_mesh
+from kp_distributed.mesh import STRATEGIES, check_model, make_mesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -21,6 +21,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the entries of the largest nn.ModuleList (or nn.Sequential) whose entries are all of
     one class (model.layers in Llama-style models, transformer.h in GPT-2); [] when there is none."""
+    check_model("find_blocks", model)
     best: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > len(best):
@@ -123,6 +124,7 @@ def shard(
     of torch.compile options, compiles each block. offload: parameters, gradients and optimizer state on the
     CPU (FSDP2's CPUOffloadPolicy). blocks: the transformer blocks, when find_blocks cannot find them.
     """
+    check_model("shard", model)
     _check(strategy, prefetch, activation_checkpointing, mesh)
     policy = mp_policy(mixed_precision)
     if blocks is None:

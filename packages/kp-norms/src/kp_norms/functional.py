@@ -114,12 +114,6 @@ def _rms_eps(eps, dtype) -> float:
     )
 
 
-def _flag(name: str, in_place) -> bool:
-    if in_place.__class__ is not bool:  # in_place=1 or "yes" would silently overwrite residual
-        raise TypeError(f"{name}: in_place must be a bool, got {in_place!r}")
-    return in_place
-
-
 def _needs_grad(*tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -232,7 +226,8 @@ def add_rms_norm(
     n_shape = _check(name, input, ..., weight, None, eps, residual)
     offset, round_n, act = _rms_variant(name, weight, offset, casting, activation)
     eps = _rms_eps(eps, input.dtype)
-    return _norm(input, residual, n_shape, weight, None, eps, True, offset, round_n, act, _flag(name, in_place))
+    in_place = kp_core.check_bool(name, "in_place", in_place)  # in_place=1 would overwrite residual unasked
+    return _norm(input, residual, n_shape, weight, None, eps, True, offset, round_n, act, in_place)
 
 
 def add_layer_norm(
@@ -250,7 +245,8 @@ def add_layer_norm(
     n_shape = _check(name, input, ..., weight, bias, eps, residual)
     act = int(by_name(name, activation, ACTIVATIONS))
     eps = _layer_eps(name, eps)
-    return _norm(input, residual, n_shape, weight, bias, eps, False, 0.0, False, act, _flag(name, in_place))
+    in_place = kp_core.check_bool(name, "in_place", in_place)
+    return _norm(input, residual, n_shape, weight, bias, eps, False, 0.0, False, act, in_place)
 
 
 class NormFloat8(NamedTuple):
@@ -273,8 +269,7 @@ def _check_float8(name, float8_dtype, granularity, power_of_2) -> None:
         raise ValueError(f"{name}: granularity must be 'tensorwise' or 'rowwise', got {granularity!r}")
     if float8_dtype not in FP8_DTYPES:
         raise TypeError(f"{name}: float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {float8_dtype}")
-    if not isinstance(power_of_2, bool):
-        raise TypeError(f"{name}: power_of_2 must be a bool, got {power_of_2!r}")
+    kp_core.check_bool(name, "power_of_2", power_of_2)
 
 
 def norm_float8(

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kp_core
 from kp_norms.modules import GatedMLP, LayerNorm, RMSNorm
 
 _ORIGINAL = "_kp_original"
@@ -169,6 +170,9 @@ def patch(
     several names (shared) becomes one kp module at all of them, and every name is listed.
     """
     _check_model("patch", model)
+    for arg, flag in (("rms_norm", rms_norm), ("layer_norm", layer_norm), ("swiglu", swiglu)):
+        kp_core.check_bool("kp_norms.patch", arg, flag)
+    kp_core.check_callable("kp_norms.patch", "module_filter_fn", module_filter_fn)
     table = _converters(rms_norm, layer_norm, swiglu)
     for cls in mlp_classes if swiglu else ():
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):

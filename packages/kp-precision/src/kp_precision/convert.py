@@ -13,6 +13,7 @@ import warnings
 
 from torch import nn
 
+import kp_core
 from kp_precision.auto import auto_filter
 from kp_precision.inference import Float8InferenceLinear
 from kp_precision.qat import DEFAULT_GROUP, QATLinear, QuantizedLinear, check_formats
@@ -26,6 +27,7 @@ def swap_linears(model, caller, module_filter_fn, make, verbose, label, unfit=un
     Layers for which unfit(linear) gives a reason stay, named in one warning; verbose prints what was converted."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
+    kp_core.check_callable(caller, "module_filter_fn", module_filter_fn)
     converted, skipped = [], []
     for fqn, module in list(model.named_modules()):
         for name, child in list(module.named_children()):

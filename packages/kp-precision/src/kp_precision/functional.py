@@ -72,8 +72,7 @@ def quantize(
         kp_core.check_tensor(_NAME, "scale", scale, dtypes=(torch.float32,), device=input.device)
         if scale.numel() != 1:
             raise ValueError(f"{_NAME}: scale must hold one value, got shape {tuple(scale.shape)}")
-    if power_of_2.__class__ is not bool:
-        raise TypeError(f"{_NAME}: power_of_2 must be a bool, got {power_of_2!r}")
+    kp_core.check_bool(_NAME, "power_of_2", power_of_2)
     return cast(input, dtype, (block_m, block_k), power_of_2, scale)
 
 

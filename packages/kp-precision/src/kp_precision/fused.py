@@ -2,7 +2,9 @@
 
 from torch import nn
 
+from kp_core.activation import by_name
 from kp_precision.functional import linear_activation
+from kp_precision.ops.scaled_mm import ACTIVATIONS
 
 
 class FusedLinearActivation(nn.Linear):
@@ -10,6 +12,7 @@ class FusedLinearActivation(nn.Linear):
     are nn.Linear's; `from_linear(linear, activation)` shares a layer's parameters."""
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation="gelu"):
+        by_name("FusedLinearActivation", activation, (None, *ACTIVATIONS))  # checked here, not at the first call
         super().__init__(in_features, out_features, bias, device, dtype)
         self.activation = activation
 

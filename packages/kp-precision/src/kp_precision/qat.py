@@ -16,13 +16,15 @@ from kp_precision.shared import check_input
 DEFAULT_GROUP = {"int8": None, "int4": 32, "fp8": None}
 
 
-def check_formats(caller, weight, activation, group_size):
+def check_formats(caller, weight, activation, group_size, weight_arg="weight"):
     if weight not in QAT_FORMATS:
-        raise ValueError(f"{caller}: weight must be one of {tuple(QAT_FORMATS)}, got {weight!r}")
+        raise ValueError(f"{caller}: {weight_arg} must be one of {tuple(QAT_FORMATS)}, got {weight!r}")
     if activation not in (None, "int8", "fp8"):
         raise ValueError(f"{caller}: activation must be None, 'int8' or 'fp8', got {activation!r}")
     if weight == "fp8" and group_size is not None:
         raise ValueError(f"{caller}: group_size is for integer weights; fp8 weights scale per row")
+    if group_size is not None and (group_size.__class__ is not int or group_size < 1):
+        raise ValueError(f"{caller}: group_size must be None or an int >= 1, got {group_size!r}")
 
 
 class QATLinear(nn.Linear):
@@ -33,7 +35,9 @@ class QATLinear(nn.Linear):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, weight_dtype="int4",
                  group_size=32, activation=None):  # fmt: skip
         super().__init__(in_features, out_features, bias, device, dtype)
-        check_formats("QATLinear", weight_dtype, activation, group_size)
+        check_formats("QATLinear", weight_dtype, activation, group_size, "weight_dtype")
+        if group_size and in_features % group_size:
+            raise ValueError(f"QATLinear: group_size ({group_size}) must divide in_features ({in_features})")
         self.weight_dtype, self.group_size, self.activation = weight_dtype, group_size, activation
 
     @classmethod

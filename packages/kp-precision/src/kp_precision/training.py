@@ -89,6 +89,8 @@ class Float8Linear(nn.Linear):
     built (its recipe object, its delayed scaling's buffers)."""
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, config=None):
+        if config is not None and not isinstance(config, Float8Config):
+            raise TypeError(f"Float8Linear: config must be a kp_precision.Float8Config or None, got {config!r}")
         super().__init__(in_features, out_features, bias, device, dtype)
         self.config = config or Float8Config()
         check_aligned("Float8Linear", in_features, out_features)

@@ -59,6 +59,12 @@ class _ActLinear24(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _check_route(route: str) -> str:
+    if route not in ("sparse", "dense"):
+        raise ValueError(f"SparseActivationLinear: route must be 'sparse' or 'dense', got {route!r}")
+    return route
+
+
 class SparseActivationLinear(nn.Linear):
     """nn.Linear whose input is made 2:4 along in_features each call (module docstring); `route` "sparse" (the
     packed input on sparse tensor cores) or "dense" (the same numbers through the dense matmul)."""
@@ -66,6 +72,7 @@ class SparseActivationLinear(nn.Linear):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, route="dense"):
         if in_features % 4:
             raise ValueError(f"SparseActivationLinear: in_features must be a multiple of 4, got {in_features}")
+        _check_route(route)
         super().__init__(in_features, out_features, bias, device, dtype)
         self.route = route
 
@@ -75,7 +82,7 @@ class SparseActivationLinear(nn.Linear):
         new = sharing(cls, linear)
         if new.in_features % 4:
             raise ValueError(f"SparseActivationLinear: in_features must be a multiple of 4, got {new.in_features}")
-        new.route = route
+        new.route = _check_route(route)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kp_core
 from kp_sparsity import functional
 from kp_sparsity.shared import eligible, time_ms
 
@@ -144,6 +145,8 @@ def sparsify(
     dense and 2:4 F.linear at `tokens` rows per distinct layer shape and keeps dense where 2:4 is not faster;
     "sparse" / "dense" force one. Returns one Decision per layer considered (why a layer was skipped, or which
     kernel it got and the times measured)."""
+    kp_core.check_module("sparsify", "model", model)
+    kp_core.check_callable("sparsify", "module_filter_fn", module_filter_fn)
     if method not in ("magnitude", "wanda"):
         raise ValueError(f"sparsify: method must be 'magnitude' or 'wanda', got {method!r}")
     if route not in ("auto", "sparse", "dense"):

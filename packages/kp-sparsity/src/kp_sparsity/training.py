@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kp_core
 from kp_sparsity import functional
 from kp_sparsity.activations import SparseActivationLinear
 from kp_sparsity.activations import why_not_sparse as why_not_sparse_act
@@ -209,6 +210,9 @@ def sparsify_for_training(
     for mismatched layouts cost more than the layer gained (H100: a Llama MLP block with gate and up sparse, down
     dense, 0.86x dense; all three sparse, 1.06x). 2:4 activations (row-major products) are decided per layer.
     Layers that cannot run 2:4 stay dense either way. Returns one Decision per layer considered."""
+    kp_core.check_module("sparsify_for_training", "model", model)
+    for arg, fn in (("module_filter_fn", module_filter_fn), ("activation_filter_fn", activation_filter_fn)):
+        kp_core.check_callable("sparsify_for_training", arg, fn)
     if route not in _ROUTES:
         raise ValueError(f"sparsify_for_training: route must be 'auto', 'sparse' or 'dense', got {route!r}")
     decisions, layers = [], []
