@@ -232,6 +232,82 @@ API_TARGETS = [
         lambda d: dict(model=_model(), path=os.path.join(tempfile.gettempdir(), "kp-api-weights.pt")),
         dict(model=MODEL),
     ),
+    _target(
+        "kp_distributed.overlap",
+        "kp-distributed",
+        kp_distributed.overlap,
+        lambda d: dict(intervals=[("gemm", 0.0, 2.0), ("nccl:all_gather", 1.0, 3.0)]),
+        dict(intervals=fuzz.Scalar(bad=(None, 3))),
+    ),
+    _target(
+        "kp_distributed.kernel_intervals",
+        "kp-distributed",
+        kp_distributed.kernel_intervals,
+        lambda d: dict(prof=None),
+        dict(prof=fuzz.Scalar(bad=(None, "trace.json"))),
+    ),
+    *(
+        _target(f"{package.replace('-', '_')}.unpatch", package, f, lambda d: dict(model=_model()), dict(model=MODEL))
+        for package, f in (("kp-norms", kp_norms.unpatch), ("kp-attention", kp_attention.unpatch))
+    ),
+    _target(
+        "kp_attention.and_masks",
+        "kp-attention",
+        lambda a, b: kp_attention.and_masks(a, b),
+        lambda d: dict(a=kp_attention.noop_mask, b=kp_attention.noop_mask),
+        dict(a=fuzz.Scalar(bad=(None, 3)), b=fuzz.Scalar(bad=("causal",))),
+    ),
+    _target(
+        "kp_attention.or_masks",
+        "kp-attention",
+        lambda a, b: kp_attention.or_masks(a, b),
+        lambda d: dict(a=kp_attention.noop_mask, b=kp_attention.noop_mask),
+        dict(a=fuzz.Scalar(bad=(None,)), b=fuzz.Scalar(bad=(1.0,))),
+    ),
+    _target(
+        "kp_precision.attach_float8",
+        "kp-precision",
+        kp_precision.attach_float8,
+        lambda d: dict(x=torch.randn(16, 16), cast=kp_precision.quantize(torch.randn(16, 16))),
+        dict(x=fuzz.Scalar(bad=([1.0], torch.randn(16, 32))), cast=fuzz.Scalar(bad=(3, torch.randn(16, 16)))),
+    ),
+    _target(
+        "kp_precision.mx_matmul",
+        "kp-precision",
+        kp_precision.mx_matmul,
+        lambda d: dict(
+            a=kp_precision.mx_quantize(torch.randn(32, 32)), b=kp_precision.mx_quantize(torch.randn(32, 32))
+        ),
+        dict(a=fuzz.Scalar(bad=(torch.randn(32, 32), None)), out_dtype=fuzz.Scalar(bad=(torch.int8, "bf16"))),
+    ),
+    _target(
+        "kp_precision.precompute_float8_scales",
+        "kp-precision",
+        kp_precision.precompute_float8_scales,
+        lambda d: dict(model=_model()),
+        dict(model=MODEL),
+    ),
+    _target(
+        "kp_precision.QuantizedLinear(...)",
+        "kp-precision",
+        kp_precision.QuantizedLinear,
+        lambda d: dict(qat=kp_precision.QATLinear(32, 32)),
+        dict(qat=fuzz.Scalar(bad=(nn.Linear(32, 32), None))),
+    ),
+    _target(
+        "kp_precision.Float8AllGatherWeight(...)",
+        "kp-precision",
+        kp_precision.Float8AllGatherWeight,
+        lambda d: dict(tensor=torch.randn(32, 32)),
+        dict(tensor=fuzz.Scalar(bad=([1.0], None))),
+    ),
+    _target(
+        "kp_sparsity.SparseLinear(...)",
+        "kp-sparsity",
+        kp_sparsity.SparseLinear,
+        lambda d: dict(weight=torch.randn(32, 32), bias=None, in_features=32, out_features=32),
+        dict(weight=fuzz.Scalar(bad=(None, [1.0])), bias=fuzz.Scalar(bad=(1.0,))),
+    ),
     *(
         _target(f"kp_distributed.{f.__name__}", "kp-distributed", f, lambda d: dict(model=_model()), dict(model=MODEL))
         for f in (kp_distributed.fingerprint, kp_distributed.find_blocks)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kp_core
+
 NAME = "kp"
 _PREVIOUS = "_kp_attention_previous"
 BACKEND_ATTR = "kp_attention_backend"  # the model config's attribute patch(model, backend=...) sets
@@ -96,6 +98,7 @@ def patch(model: nn.Module, backend: str = "auto") -> str:
 
 def unpatch(model: nn.Module) -> str | None:
     """Restore the attention implementation `patch` replaced; returns it (None when the model was not patched)."""
+    kp_core.check_module("kp_attention.unpatch", "model", model)
     previous = getattr(model, _PREVIOUS, None)
     if hasattr(model.config, BACKEND_ATTR):
         delattr(model.config, BACKEND_ATTR)

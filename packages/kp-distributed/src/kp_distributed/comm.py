@@ -58,6 +58,8 @@ def overlap(intervals) -> dict[str, float]:
     unit; kernel_intervals() reads them from a torch.profiler run), a kernel whose name holds "nccl" counted as
     communication. Returns comm and compute time (each the length of the union of its kernels), the overlapped
     time, and the share of communication hidden behind compute (1.0 when there is none)."""
+    if not isinstance(intervals, (list, tuple)):
+        raise TypeError(f"overlap: intervals must be a list of (name, start, end), got {type(intervals).__name__}")
     comm = _union([(s, e) for name, s, e in intervals if "nccl" in name.lower()])
     compute = _union([(s, e) for name, s, e in intervals if "nccl" not in name.lower()])
     both, i, j = 0.0, 0, 0
@@ -85,6 +87,9 @@ def _union(spans):
 def kernel_intervals(prof) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every GPU kernel a finished torch.profiler.profile recorded."""
     from torch.autograd import DeviceType
+
+    if not callable(getattr(prof, "events", None)):
+        raise TypeError(f"kernel_intervals: prof must be a finished torch.profiler.profile, got {type(prof).__name__}")
 
     return [
         (e.name, e.time_range.start, e.time_range.end)

@@ -65,6 +65,7 @@ class Float8AllGatherWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, power_of_2: bool = False):
+        kp_core.check_tensor("Float8AllGatherWeight", "tensor", tensor)
         return torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -191,6 +192,7 @@ class Float8GatheredWeight(torch.Tensor):
 def precompute_float8_scales(model: torch.nn.Module) -> None:
     """The float8 scale of every fsdp_float8_all_gather weight in `model`, one all-reduce per mesh, for the next
     all-gathers (call it after optimizer.step(); without it each all-gather runs its own all-reduce)."""
+    kp_core.check_module("precompute_float8_scales", "model", model)
     groups: dict[tuple, list] = {}
     for module in model.modules():
         w = module._parameters.get("weight") if hasattr(module, "_parameters") else None

@@ -66,6 +66,8 @@ class QuantizedLinear(nn.Module):
     weight to the input's dtype (what QATLinear's fake quant gave) and fake-quantises activations as it did."""
 
     def __init__(self, qat: QATLinear):
+        if not isinstance(qat, QATLinear):
+            raise TypeError(f"QuantizedLinear: qat must be a QATLinear (after training), got {type(qat).__name__}")
         super().__init__()
         self.in_features, self.out_features = qat.in_features, qat.out_features
         self.weight_dtype, self.group_size, self.activation = qat.weight_dtype, qat.group_size, qat.activation

@@ -23,6 +23,9 @@ class SparseLinear(nn.Module):
     """y = x W^T + b with W a 2:4 semi-structured sparse weight (torch's subclass), inference only."""
 
     def __init__(self, weight, bias: torch.Tensor | None, in_features: int, out_features: int):
+        kp_core.check_tensor("SparseLinear", "weight", weight)  # a dense 2:4 tensor or torch's sparse subclass
+        if bias is not None:
+            kp_core.check_tensor("SparseLinear", "bias", bias)
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(weight, requires_grad=False)
