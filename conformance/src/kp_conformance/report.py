@@ -46,7 +46,27 @@ def render(reports: list[dict]) -> str:
             lines.append(f"| {kernel} | {prop} | " + " | ".join(cells) + " |")
         if notes:
             lines += ["", "Not covered or failed:", "", *sorted(set(notes))]
+        lines += _fuzz_counts(r.get("tests", ()))
     return "\n".join(lines) + "\n"
+
+
+def _fuzz_counts(tests) -> list[str]:
+    """The bad-input fuzzer's cases (kp_conformance.fuzz) per package: test ids test_bad_input_fuzz[<target>:..]."""
+    counts: dict[str, dict[str, int]] = {}
+    for t in tests:
+        head, _, rest = t["test"].partition("test_bad_input_fuzz[")
+        if not rest:
+            continue
+        package = rest.split(".")[0].replace("_", "-")
+        row = counts.setdefault(package, dict.fromkeys(_MARK, 0))
+        row[t["status"]] += 1
+    if not counts:
+        return []
+    lines = ["", "Bad-input fuzz cases (one per callable, argument and mutation) per package:", ""]
+    lines += ["| package | cases | pass | fail | n/c |", "|---|---|---|---|---|"]
+    for package, row in sorted(counts.items()):
+        lines.append(f"| {package} | {sum(row.values())} | {row['pass']} | {row['fail']} | {row['not covered']} |")
+    return lines
 
 
 def main() -> None:
