@@ -144,6 +144,7 @@ def memcheck(session: nox.Session) -> None:
 
     nox --no-venv -s memcheck -- --tier micro --jobs 16
     nox --no-venv -s memcheck -- --tier small --specs norm --shards 4 --jobs 20
+    nox --no-venv -s memcheck -- --tool racecheck --specs norm quantize decode flex_attention
     """
     _install_torch(session)
     if _installing(session):

@@ -1,10 +1,13 @@
-"""The specs under compute-sanitizer's memcheck, on a CUDA machine: every out-of-bounds or misaligned access of
-every kernel a spec launches, reads included (the canary guard sees writes only).
+"""The specs under compute-sanitizer, on a CUDA machine. memcheck (the default): every out-of-bounds or
+misaligned access of every kernel a spec launches, reads included (the canary guard sees writes only);
+`--tool racecheck`: shared-memory data races (the reductions of the norms, quantize's amax, split partials);
+`--tool initcheck`: reads of device memory nothing wrote (a workspace or partial buffer read before it is filled).
 
     python -m kp_conformance.memcheck                       # every spec that covers kernels, micro tier
     python -m kp_conformance.memcheck --tier small --specs norm glu --jobs 8
     python -m kp_conformance.memcheck --tier small --specs norm --shards 4 --only 0 1   # half of norm's shards
     python -m kp_conformance.memcheck --specs sparsity --list   # the processes it would run; runs nothing
+    python -m kp_conformance.memcheck --tool racecheck --specs norm quantize decode flex_attention
 
 The specs and their dtypes come from the spec registry (kp_conformance.registry): any declared spec can be named;
 by default those whose ops are registered kp kernels run. Each spec runs as one pytest process per dtype (plus one
@@ -35,7 +38,16 @@ from pathlib import Path
 from kp_conformance import registry
 from kp_conformance.env import dtype_id
 
-ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")
+ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error")
+TOOLS = ("memcheck", "racecheck", "initcheck")
+
+
+def _tool_args(tool: str) -> list[str]:
+    if tool == "memcheck":
+        return ["--tool", "memcheck", "--leak-check", "no"]
+    if tool == "racecheck":
+        return ["--tool", "racecheck", "--racecheck-report", "hazard"]
+    return ["--tool", "initcheck"]
 
 
 def _selections(dtypes) -> list[tuple[str, str]]:
@@ -67,13 +79,13 @@ def _ids(root: Path, selection: list[str], env: dict) -> list[str]:
     return [f"{selection[0]}::{line.split('::', 1)[1]}" for line in out.stdout.splitlines() if "::" in line]
 
 
-def _run(root: Path, spec: str, label: str, args: list[str], tier: str, timeout: int, logs: Path) -> dict:
+def _run(root: Path, spec: str, label: str, args: list[str], tier: str, timeout: int, logs: Path, tool: str) -> dict:
     env = dict(os.environ, KP_MEMCHECK="1", KP_GUARD="0", PYTORCH_NO_CUDA_MEMORY_CACHING="1", KP_TIER=tier)
     env["KP_REPORT_DIR"] = str(logs / f"report-{spec}-{label}")
-    cmd = ["compute-sanitizer", "--tool", "memcheck", "--leak-check", "no", "--report-api-errors", "no"]
+    cmd = ["compute-sanitizer", *_tool_args(tool), "--report-api-errors", "no"]
     cmd += ["--print-limit", "20", sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "no:xdist"]
     cmd += ["--rootdir", str(root), "-W", "ignore", *args]  # paths and ids relative to root, the working directory
-    log = logs / f"{spec}-{label}.log"
+    log = logs / f"{tool}-{spec}-{label}.log"
     start = time.monotonic()
     with open(log, "w") as f:
         # its own process group: on a timeout the sanitizer and the pytest under it both go
@@ -85,7 +97,7 @@ def _run(root: Path, spec: str, label: str, args: list[str], tier: str, timeout:
             proc.wait()
             rc = "timeout"
     text = log.read_text(errors="replace")
-    errors = sum(int(n) for n in ERRORS.findall(text))
+    errors = sum(int(a or b) for a, b in ERRORS.findall(text))
     tests = re.findall(r"^=+ (\d+ (?:passed|failed|skipped|error).*?) in [\d.]+s", text, re.M)
     if rc == "timeout":  # what finished before the limit, so the rest can be rerun by id
         tests = [f"{len(re.findall(r' PASSED', text))} passed before the timeout"]
@@ -125,6 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--root", type=Path, default=Path.cwd())
     ap.add_argument("--specs", nargs="+", help="spec names (default: every spec that covers kp kernels)")
     ap.add_argument("--tier", default="micro")
+    ap.add_argument("--tool", choices=TOOLS, default="memcheck")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     ap.add_argument("--logs", type=Path, default=Path("memcheck-logs"))
@@ -146,10 +159,11 @@ def main(argv=None) -> int:
         return 2
     args.logs.mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(_run, args.root, *j, args.tier, args.timeout, args.logs) for j in jobs(args, specs)]
+        run = [(args.root, *j, args.tier, args.timeout, args.logs, args.tool) for j in jobs(args, specs)]
+        futures = [pool.submit(_run, *r) for r in run]
         results = [f.result() for f in futures]
-    print(f"memcheck, tier {args.tier}:")
-    print("| spec | tests | memcheck errors | exit | seconds |\n|---|---|---|---|---|")
+    print(f"{args.tool}, tier {args.tier}:")
+    print(f"| spec | tests | {args.tool} errors | exit | seconds |\n|---|---|---|---|---|")
     for r in results:
         print(f"| {r['spec']} [{r['sel']}] | {r['tests']} | {r['errors']} | {r['rc']} | {r['seconds']} |")
     bad = [r for r in results if not r["ok"]]
