@@ -137,3 +137,20 @@ def spawn(world: int, fn, *args, deadline: float = 180.0, backend: str = "gloo")
         if isinstance(res, dict) and "error" in res and len(res) == 1:
             raise AssertionError(f"rank {r} failed:\n{res['error']}")
     return results
+
+
+def spawn_killed(world: int, fn, *args, deadline: float = 180.0) -> int:
+    """Run fn as spawn does, where one rank kills itself with SIGKILL mid-run: torch.multiprocessing then ends the
+    other ranks (as torchrun does). Returns the signal the dead rank got."""
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_entry, (world, out, fn, args, "gloo"), nprocs=world, start_method="spawn", join=False)
+        start = time.monotonic()
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() - start > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise AssertionError(f"{fn.__name__}: no rank died within {deadline:.0f} s")
+        except mp.ProcessExitedException as e:
+            return e.signal_name if hasattr(e, "signal_name") else e.exit_code
+    raise AssertionError(f"{fn.__name__}: every rank finished; none was killed")

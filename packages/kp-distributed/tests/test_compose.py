@@ -6,12 +6,14 @@ gloo with CPU tensors, the kernels under Triton's interpreter."""
 
 import contextlib
 import importlib.util
+import os
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from dist_workers import batch, device, full_params, loss_of, spawn, train
+from dist_workers import batch, device, full_params, loss_of, make, spawn, spawn_killed, train
 
 import kp_distributed
 
@@ -228,3 +230,49 @@ def test_hugging_face_model_patched_by_kp_norms_and_kp_attention_under_shard(mon
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
         for name, p in want_params.items():
             torch.testing.assert_close(res["params"][name], p, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+KILL_STEPS, KILLED_AT = 6, 4
+HISTORIES = ("amax_history_x", "amax_history_w", "amax_history_grad", "amax_history_filled")
+
+
+def _delayed_float8():
+    """dist_workers' Tiny model (dims 16 and 32) with every linear a delayed-scaling Float8Linear."""
+    config = kp_precision.Float8Config("tensorwise", "delayed", history_len=4)
+    return kp_precision.convert_to_float8_training(make(), config=config)
+
+
+def _saving_every_step(rank, world, folder, kill_at):
+    """Resume from the latest complete checkpoint, then train to KILL_STEPS, saving after every step; rank 1
+    kills itself (SIGKILL: no cleanup, no last save) when it reaches step `kill_at`."""
+    model = kp_distributed.shard(_delayed_float8(), mixed_precision=None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = kp_distributed.Checkpointer(folder, keep=2)
+    first, _ = ckpt.load(model, opt)
+    losses = []
+    for step in range(first, KILL_STEPS):
+        if step == kill_at and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        losses += train(model, opt, 1, rank, world, first=step)
+        ckpt.save(step + 1, model, opt)
+    scaling = {n: b.detach().clone() for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in HISTORIES}
+    return {"first": first, "losses": losses, "params": full_params(model), "scaling": scaling}
+
+
+def test_kill_9_mid_run_resumes_bit_identical(tmp_path, monkeypatch):
+    """Issue 36's long-run check on CPU ranks: rank 1 is SIGKILLed mid-run; the run resumed from the last complete
+    checkpoint continues the uninterrupted run bit for bit: losses, weights, and the float8 delayed-scaling
+    histories (in the state_dict since they are)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the float8 ops on their PyTorch path: fast and exact
+    whole = spawn(2, _saving_every_step, str(tmp_path / "whole"), None)
+    assert spawn_killed(2, _saving_every_step, str(tmp_path / "run"), KILLED_AT) in ("SIGKILL", -signal.SIGKILL)
+    resumed = spawn(2, _saving_every_step, str(tmp_path / "run"), None)
+    first = resumed[0]["first"]
+    assert 0 < first <= KILLED_AT, f"resumed from step {first}"
+    for want, got in zip(whole, resumed):
+        assert got["losses"] == want["losses"][first:], "the resumed losses differ"
+        for name, p in want["params"].items():
+            assert torch.equal(got["params"][name], p), name
+        assert want["scaling"].keys() == got["scaling"].keys() and len(want["scaling"]) == 4 * 7
+        for name, b in want["scaling"].items():
+            assert torch.equal(got["scaling"][name], b), name

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from kp_distributed.mesh import check_model
 
@@ -62,6 +63,10 @@ class Checkpointer:
     step, extra = ckpt.load(model, optimizer)  # (0, {}) when there is none yet
     ...
     ckpt.save(step, model, optimizer, extra={"data": loader_state})
+
+    Each rank's own buffers (plain tensors, not DTensors: float8 delayed scaling's amax histories, which follow
+    the rank's activations) are saved per rank too and restored on load with as many ranks; more ranks than
+    saved get rank 0's copy (DCP's).
 
     keep: how many complete checkpoints to keep (older ones are deleted after a save; None keeps all).
     async_save: write in the background (dcp.async_save); the checkpoint is complete once wait() or the next
@@ -106,8 +111,11 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        # per-rank state (a data loader's position, RNG states) beside DCP's files, one file a rank
+        # per-rank state (a data loader's position, RNG states) beside DCP's files, one file a rank; and this rank's
+        # own buffers (DCP keeps one copy of a plain tensor: rank 0's), e.g. float8 delayed scaling's amax
+        # histories, which follow each rank's own activations
         torch.save(extra or {}, tmp / f"extra-{_rank()}.pt")
+        torch.save(_local_buffers(model), tmp / f"buffers-{_rank()}.pt")
         state = _state(model, optimizer)
         if self.async_save:
             self._pending = (dcp.async_save(state, checkpoint_id=str(tmp)), step, fingerprint(model))
@@ -155,8 +163,20 @@ class Checkpointer:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:
             set_model_state_dict(model, state["model"])
+        buffers = where / f"buffers-{_rank()}.pt"  # absent when more ranks load than saved: rank 0's copy stays
+        if buffers.is_file():
+            own = dict(model.named_buffers())
+            with torch.no_grad():
+                for name, value in torch.load(buffers, weights_only=True).items():
+                    if name in own and own[name].shape == value.shape:
+                        own[name].copy_(value)
         mine = where / f"extra-{_rank()}.pt"  # absent when more ranks load than saved
         return step, torch.load(mine, weights_only=True) if mine.is_file() else {}
+
+
+def _local_buffers(model: nn.Module) -> dict:
+    """The model's buffers held whole on each rank (not DTensors), as this rank has them."""
+    return {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers() if not isinstance(b, DTensor)}
 
 
 def _state(model, optimizer) -> dict:
