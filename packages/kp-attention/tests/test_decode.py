@@ -353,7 +353,7 @@ def test_bad_input(what, call, error, words):
 BAD_VALUES = [  # values only the device sees: (what, call, the words of the "sync" mode's error)
     ("seqlens negative", lambda: fa(Q, KC, KC, _i(-1, 4)), "cache_seqlens"),
     ("seqlens past capacity", lambda: fa(Q, KC, KC, _i(3, 17)), "cache_seqlens"),
-    ("new k overflows", lambda: fa(Q, KC, KC, _i(3, 15), k=_t(2, 2, 2, 8), v=_t(2, 2, 2, 8)), "exceed"),
+    ("new k overflows", lambda: fa(Q, KC, KC.clone(), _i(3, 15), k=_t(2, 2, 2, 8), v=_t(2, 2, 2, 8)), "exceed"),
     ("block id out of range", lambda: fa(Q, PK, PK, SL, block_table=_i([0, 1], [5, 3])), "block_table"),
     ("paged past capacity", lambda: fa(Q, PK, PK, _i(3, 33), block_table=BT), "cache_seqlens"),
 ]

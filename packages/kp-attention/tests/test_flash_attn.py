@@ -165,14 +165,14 @@ def test_bad_packed_and_rotary_arguments_name_themselves(monkeypatch):
     q = _randn(1, 1, 2, 16)
     cache = _randn(1, 16, 2, 16)
     with pytest.raises(ValueError, match="rotary_cos and rotary_sin"):
-        fa.flash_attn_with_kvcache(q, cache, cache, q, q, rotary_cos=torch.ones(16, 4, device=DEVICE))
+        fa.flash_attn_with_kvcache(q, cache, cache.clone(), q, q, rotary_cos=torch.ones(16, 4, device=DEVICE))
     cos = torch.ones(4, 4, device=DEVICE)
-    fa.flash_attn_with_kvcache(q, cache, cache, q, q, cos, cos, cache_seqlens=8)  # positions past the table
+    fa.flash_attn_with_kvcache(q, cache, cache.clone(), q, q, cos, cos, cache_seqlens=8)  # positions past the table
     with pytest.raises(ValueError, match="rotary positions"):  # by default flagged on the device, reported later
         decode.check_inputs(torch.device(DEVICE))
     monkeypatch.setattr(decode, "VALIDATE_VALUES", "sync")
     with pytest.raises(ValueError, match="rows"):
-        fa.flash_attn_with_kvcache(q, cache, cache, q, q, cos, cos, cache_seqlens=8)
+        fa.flash_attn_with_kvcache(q, cache, cache.clone(), q, q, cos, cos, cache_seqlens=8)
     with pytest.raises(TypeError, match="cache_batch_idx"):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_batch_idx=torch.zeros(1, device=DEVICE))
 
