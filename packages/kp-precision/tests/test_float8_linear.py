@@ -103,3 +103,23 @@ def test_a_gathered_weight_is_its_dequantised_value_to_other_ops():
 def test_float8_all_gather_config_errors(kw, error, match):
     with pytest.raises(error, match=match):
         kp_precision.Float8Config(**kw)
+
+
+@pytest.mark.parametrize("layer", ["Float8Linear", "Float8InferenceLinear", "FusedLinearActivation"])
+def test_autocast_casts_as_nn_linear(layer):
+    """Under torch.autocast(bfloat16) an fp32 input runs as its bf16 cast (the output bf16), as nn.Linear does;
+    the layers used to ignore autocast (Float8Linear returned fp32, FusedLinearActivation refused the fp32 input)."""
+    torch.manual_seed(0)
+    module = getattr(kp_precision, layer)(32, 48, device=DEVICE)
+    x = torch.randn(16, 32, device=DEVICE)
+    with torch.no_grad():
+        with torch.autocast(torch.device(DEVICE).type, torch.bfloat16):
+            y = module(x)
+        if layer == "FusedLinearActivation":
+            want = kp_precision.linear_activation(
+                x.bfloat16(), module.weight.bfloat16(), module.bias.bfloat16(), module.activation
+            )
+        else:
+            want = module(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, want)

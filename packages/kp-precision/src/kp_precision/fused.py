@@ -5,6 +5,7 @@ from torch import nn
 from kp_core.activation import by_name
 from kp_precision.functional import linear_activation
 from kp_precision.ops.scaled_mm import ACTIVATIONS
+from kp_precision.shared import autocast_dtype
 
 
 class FusedLinearActivation(nn.Linear):
@@ -25,7 +26,12 @@ class FusedLinearActivation(nn.Linear):
         return new
 
     def forward(self, x):
-        return linear_activation(x, self.weight, self.bias, self.activation)
+        cast = autocast_dtype(x)
+        if cast is None:
+            return linear_activation(x, self.weight, self.bias, self.activation)
+        # under autocast, as nn.Linear: input, weight and bias in the autocast dtype
+        bias = None if self.bias is None else self.bias.to(cast)
+        return linear_activation(x.to(cast), self.weight.to(cast), bias, self.activation)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}"

@@ -15,7 +15,7 @@ from torch import nn
 from kp_core.activation import by_name
 from kp_precision.ops.scaled_mm import ACTIVATIONS
 from kp_precision.recipes import RECIPES, Float8Config, recipe_for
-from kp_precision.shared import E4M3, check_aligned, check_input, check_weight, matmul, scale_t
+from kp_precision.shared import E4M3, autocast_dtype, check_aligned, check_input, check_weight, matmul, scale_t
 
 
 class Float8InferenceLinear(nn.Module):
@@ -95,6 +95,7 @@ class Float8InferenceLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input("Float8InferenceLinear", x, self.in_features)
+        x = x if (cast := autocast_dtype(x)) is None else x.to(cast)  # under autocast, as nn.Linear
         x2 = x.reshape(-1, self.in_features)
         qx = self._recipe.attached(x) or self._recipe.cast(x2, E4M3)  # a float8 copy made with x, or a cast
         bias = self.bias

@@ -24,6 +24,13 @@ ALIGN = 16
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype torch.autocast gives a linear's operands on x's device here (None outside autocast): kp's layers
+    run their ops outside autocast's reach, so they cast as nn.Linear is cast."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) and x.is_floating_point() else None
+
+
 def check_input(layer: str, x, in_features: int) -> None:
     """A linear's input: a float16 / bfloat16 / float32 tensor whose last dim is in_features."""
     if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:

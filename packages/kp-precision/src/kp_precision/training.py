@@ -42,7 +42,7 @@ from torch import nn
 
 from kp_precision.fsdp import Float8AllGatherWeight, high_precision, plain_weight
 from kp_precision.recipes import Float8Config, recipe_for
-from kp_precision.shared import ALIGN, check_aligned, check_input, check_weight, matmul, scale_t
+from kp_precision.shared import ALIGN, autocast_dtype, check_aligned, check_input, check_weight, matmul, scale_t
 
 HISTORIES = ("amax_history_x", "amax_history_w", "amax_history_grad")  # delayed scaling: x, w, gy
 
@@ -135,6 +135,7 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input("Float8Linear", x, self.in_features)
+        x = x if (cast := autocast_dtype(x)) is None else x.to(cast)  # under autocast, as nn.Linear
         weight = self.weight
         check_weight("Float8Linear", weight)
         lead, k = x.shape[:-1], x.shape[-1]
