@@ -1,5 +1,7 @@
 """Fail when README.md's package table disagrees with packages/: every package folder must have a row with its
 version, every row with a version must be a package folder of that version (pyproject.toml and __version__).
+Every package (and conformance/) carries the repository's LICENSE unchanged (hatchling puts it in the wheel and
+sdist) and a py.typed marker.
 
     python docs/check_packages.py     (run by `nox -s docs`)
 """
@@ -26,6 +28,14 @@ def main() -> int:
             problems.append(f"{name}: pyproject.toml says {version}, __version__ says {code[1] if code else None}")
         if table.get(name) != version:
             problems.append(f"README.md: the row of {name} must say {version}, it says {table.get(name)}")
+    license_text = (ROOT / "LICENSE").read_text()
+    for folder in [*sorted((ROOT / "packages").iterdir()), ROOT / "conformance"]:
+        if not (folder / "pyproject.toml").is_file():
+            continue
+        if not (folder / "LICENSE").is_file() or (folder / "LICENSE").read_text() != license_text:
+            problems.append(f"{folder.name}: LICENSE must be a copy of the repository's")
+        if not list((folder / "src").glob("*/py.typed")):
+            problems.append(f"{folder.name}: its package under src/ needs a py.typed marker")
     for name, status in table.items():
         if status != "planned" and not (ROOT / "packages" / name / "pyproject.toml").is_file():
             problems.append(f"README.md: {name} has status {status!r} but packages/{name}/ does not exist")
