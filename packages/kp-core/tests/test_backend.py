@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -128,3 +132,25 @@ def test_a_guard_launches_with_the_arguments_it_passes_on(monkeypatch):
         kp_core.set_guard(previous)
     assert guard.seen == ("op", "_ones", {"BLOCK": 4})
     assert not x.any() and elsewhere.eq(1).all()
+
+
+def test_interpreter_switched_on_after_the_kernels_were_defined_names_the_fix(tmp_path):
+    """Triton decides interpreted or compiled when a kernel is decorated; TRITON_INTERPRET=1 set later gave
+    Triton's own "0 active drivers" error on CPU tensors. kp says what to do instead."""
+    pytest.importorskip("triton")
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import os, torch, triton, kp_core\n"
+        "@triton.jit\n"
+        "def _kernel(X):\n"
+        "    pass\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "x = torch.ones(1)\n"
+        "try:\n"
+        "    kp_core.launch('my_op', kp_core.choose_backend('my_op', x), _kernel, (1,), (x,), {})\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert "my_op: TRITON_INTERPRET=1 was set after kp's kernels were defined" in out.stdout, out.stderr

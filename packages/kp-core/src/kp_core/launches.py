@@ -240,8 +240,21 @@ def launch(
 _INTERPRETER = threading.Lock()
 
 
+def _check_interpreted(op: str, kernel) -> None:
+    """TRITON_INTERPRET=1 set after the kernels were defined: Triton decided at decoration (import) time and
+    would fail with its own "0 active drivers" error on CPU tensors. Say what to do instead."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            f"{op}: TRITON_INTERPRET=1 was set after kp's kernels were defined (Triton reads it when a module "
+            "imports): set it before importing any kp package, e.g. `TRITON_INTERPRET=1 python script.py`"
+        )
+
+
 def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plain=False) -> None:
     if backend == INTERPRET:
+        _check_interpreted(op, kernel)
         _check_order(kernel, args, consts)
         with _INTERPRETER:
             kernel[grid](*args, **consts, **_options(num_warps, num_stages))
