@@ -1,3 +1,4 @@
+import logging
 import os
 import subprocess
 import sys
@@ -154,3 +155,29 @@ def test_interpreter_switched_on_after_the_kernels_were_defined_names_the_fix(tm
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert "my_op: TRITON_INTERPRET=1 was set after kp's kernels were defined" in out.stdout, out.stderr
+
+
+def test_the_reference_path_is_said_once_in_the_package_log(caplog):
+    with caplog.at_level(logging.INFO, logger="kp"):
+        kp_core.reference("kp::made_up_op")
+        kp_core.reference("kp::made_up_op")
+    lines = [r for r in caplog.records if "kp::made_up_op" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].name == "kp.core" and "reference path" in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("value,words", [("launches", "_kernel on interpret, grid (1,)"), ("loud", "KP_LOG must be")])
+def test_kp_log_switch(tmp_path, value, words):
+    """KP_LOG=launches logs every launch (op, kernel, grid, shapes) to stderr; an unknown value is an error."""
+    pytest.importorskip("triton")
+    script = tmp_path / "logged.py"
+    script.write_text(
+        "import torch, triton, kp_core\n"
+        "@triton.jit\n"
+        "def _kernel(X):\n"
+        "    pass\n"
+        "x = torch.ones(3)\n"
+        "kp_core.launch('kp::logged', kp_core.choose_backend('kp::logged', x), _kernel, (1,), (x,), {})\n"
+    )
+    env = dict(os.environ, KP_LOG=value, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert words in out.stderr, out.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -56,6 +57,57 @@ _records: list[LaunchRecord] = []
 _lock = threading.Lock()
 
 
+# ---- logging: one logger per package ("kp.norms", ...), under "kp" ----
+
+# KP_LOG=info: say once per op which backend it runs on (and when it takes the PyTorch reference path);
+# KP_LOG=launches: also every launch, with its kernel, grid and argument shapes. Read once, at import: the launch
+# path then tests a bool. Without KP_LOG, the lines go to the "kp" loggers at INFO/DEBUG for an app to show.
+_KP_LOG = os.environ.get("KP_LOG", "").strip().lower()
+_LOG_LAUNCHES = _KP_LOG == "launches"
+_FIRST: set = set()  # (op, backend) already said
+
+
+def _configure_logging() -> None:
+    if _KP_LOG not in ("", "info", "launches"):
+        raise ValueError(f"KP_LOG must be 'info' or 'launches', got {_KP_LOG!r}")
+    if _KP_LOG:
+        root = logging.getLogger("kp")
+        root.setLevel(logging.DEBUG if _LOG_LAUNCHES else logging.INFO)
+        if not root.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            root.addHandler(handler)
+
+
+def package_logger(op: str) -> logging.Logger:
+    """The logger of the package that declared `op` ("kp::norm" -> kp.norms)."""
+    from kp_core.library import registered_kernels  # launches is imported by library
+
+    info = registered_kernels().get(op)
+    return logging.getLogger((info.package if info else "kp-core").replace("-", "."))
+
+
+def _first(op: str, kernel: str, backend: str) -> None:
+    _FIRST.add((op, backend))
+    if backend == REFERENCE:
+        package_logger(op).info(
+            "%s: the PyTorch reference path (no kernel: CPU tensors without TRITON_INTERPRET=1, no Triton, "
+            "KP_BACKEND=reference, or an empty input)",
+            op,
+        )
+    else:
+        package_logger(op).info("%s: kernels run on %s (first: %s)", op, backend, kernel)
+
+
+def _log_launch(op: str, kernel, backend: str, grid, args) -> None:
+    shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args if not isinstance(a, (int, float))]
+    package_logger(op).debug("%s: %s on %s, grid %s, tensors %s", op, _name(kernel), backend, tuple(grid), shapes)
+
+
+def _name(kernel) -> str:
+    return getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+
+
 def note_launch(op: str, kernel: str, backend: str) -> None:
     """Called for every launch (and every reference path, with backend="reference")."""
     if _records:
@@ -92,6 +144,8 @@ def record_launches() -> Iterator[LaunchRecord]:
 
 def reference(op: str) -> None:
     """Note that `op` ran its PyTorch reference path (no kernel)."""
+    if (op, REFERENCE) not in _FIRST:
+        _first(op, "reference", REFERENCE)
     note_launch(op, "reference", REFERENCE)
 
 
@@ -263,6 +317,10 @@ def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plai
         kernel[grid](*args, **consts, **_options(num_warps, num_stages))
     else:
         _launch_compiled(kernel, grid, args, consts, num_warps, num_stages)
+    if (op, backend) not in _FIRST:
+        _first(op, kernel.fn.__name__, backend)
+    if _LOG_LAUNCHES:
+        _log_launch(op, kernel, backend, grid, args)
     if _records:
         note_launch(op, kernel.fn.__name__, backend)
 
@@ -321,3 +379,6 @@ def _check_order(kernel, args: tuple, consts: dict) -> None:
             f"constexprs {list(consts)} (runtime arguments first, then every constexpr in order)"
         )
     _ORDER_OK.add(key)
+
+
+_configure_logging()

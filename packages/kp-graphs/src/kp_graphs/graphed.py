@@ -13,6 +13,7 @@ logic is the same everywhere. Under autograd each bucket gets a forward and a ba
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 
@@ -25,6 +26,8 @@ from kp_graphs.buckets import Buckets, fill_into, pad_to, trim, unflatten
 from kp_graphs.capture import CaptureError, capture, kept_bytes, warm_up
 
 __all__ = ["CaptureError", "Graphed", "graphed"]
+
+_LOG = logging.getLogger("kp.graphs")
 
 
 # Parameters, buffers or submodules registered anywhere in the process (a module attribute replaced) since
@@ -119,6 +122,7 @@ class Graphed:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"graphed {self.stats.name}: running eagerly: {reason} ({detail})", stacklevel=3)
+            _LOG.warning("graphed %s: running eagerly: %s (%s)", self.stats.name, reason, detail)
         return self.fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -140,6 +144,8 @@ class Graphed:
             # the same padding and cutting back as a replay, run eagerly (CPU tensors, or no CUDA); padding and
             # slicing are differentiable, so autograd sees the same computation a graph would run
             self.stats.count_eager("not on a CUDA device")  # counted, not warned: CPU runs are expected (CI)
+            if self.stats.eager["not on a CUDA device"] == 1:  # said once, in kp-graphs' log
+                _LOG.info("graphed %s: CPU inputs (or no CUDA): runs eagerly, no graphs", self.stats.name)
             p_args, p_kwargs = unflatten(self._padded(leaves, self._pads(args, kwargs, len(leaves)), bucket), spec)
             out = self.fn(*p_args, **p_kwargs)
             return tree_map(lambda o: trim(o, dims, bucket, actual) if isinstance(o, torch.Tensor) else o, out)
