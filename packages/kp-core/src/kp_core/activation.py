@@ -16,6 +16,8 @@ from kp_core import constants
 
 
 class Activation(enum.IntEnum):
+    """The activations kp's kernels fuse, as the int constexpr a kernel takes (`int(Activation.SILU)`)."""
+
     NONE = 0
     SILU = 1
     GELU = 2  # the exact (erf) form, F.gelu(approximate="none")

@@ -15,6 +15,7 @@ _FORCE_CHOICES = ("auto", REFERENCE, TRITON)
 
 @functools.lru_cache(maxsize=1)
 def has_triton() -> bool:
+    """Whether Triton imports here (cached)."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -23,11 +24,13 @@ def has_triton() -> bool:
 
 
 def interpreter_enabled() -> bool:
+    """Whether TRITON_INTERPRET=1 is set now."""
     # Triton reads this when a kernel is decorated, so it must be set before the kernel modules import.
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def forced_backend() -> str:
+    """KP_BACKEND's value ("auto", "reference" or "triton"); any other value is a ValueError."""
     value = os.environ.get("KP_BACKEND", "auto").strip().lower() or "auto"
     if value not in _FORCE_CHOICES:
         raise ValueError(f"KP_BACKEND must be one of {_FORCE_CHOICES}, got {value!r}")

@@ -24,6 +24,8 @@ def check_tensor(
     ndim: int | None = None,
     min_ndim: int | None = None,
 ) -> torch.Tensor:
+    """`tensor` is a torch.Tensor with one of `dtypes`, on `device`, with `ndim` (or at least `min_ndim`) dims;
+    TypeError/ValueError naming `op` and `name` otherwise. Returns it."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if dtypes is not None and tensor.dtype not in dtypes:
@@ -38,11 +40,13 @@ def check_tensor(
 
 
 def check_shape(op: str, name: str, tensor: torch.Tensor, expected: Sequence[int]) -> None:
+    """ValueError naming `op` and `name` unless `tensor` has shape `expected`."""
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(f"{op}: {name} must have shape {tuple(expected)}, got {tuple(tensor.shape)}")
 
 
 def check_same_dtype(op: str, name: str, tensor: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
+    """TypeError unless `tensor` has `like`'s dtype."""
     if tensor.dtype != like.dtype:
         raise TypeError(
             f"{op}: {name} must have the dtype of {like_name} ({_names([like.dtype])}), got {_names([tensor.dtype])}"
@@ -50,6 +54,7 @@ def check_same_dtype(op: str, name: str, tensor: torch.Tensor, like: torch.Tenso
 
 
 def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
+    """ValueError unless every given tensor (None skipped) is on the first one's device."""
     present = {k: t for k, t in tensors.items() if t is not None}
     if not present:
         return
@@ -62,6 +67,7 @@ def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
 
 
 def check_index_fits(op: str, name: str, count: int, limit: int = INT32_MAX) -> None:
+    """ValueError when `count` elements pass the kernel's index limit (int32 offsets by default)."""
     if count > limit:
         raise ValueError(f"{op}: {name} has {count} elements, more than the kernel's limit of {limit}")
 
@@ -90,11 +96,13 @@ def check_bool(op: str, name: str, value: object) -> bool:
 
 
 def check_module(op: str, name: str, module: object) -> torch.nn.Module:
+    """TypeError unless `module` is a torch.nn.Module. Returns it."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{op}: {name} must be a torch.nn.Module, got {type(module).__name__}")
     return module
 
 
 def check_callable(op: str, name: str, fn: object, optional: bool = True) -> None:
+    """TypeError unless `fn` is callable (or None where `optional`)."""
     if not (callable(fn) or (optional and fn is None)):
         raise TypeError(f"{op}: {name} must be a function{' or None' if optional else ''}, got {fn!r}")

@@ -26,6 +26,7 @@ class RowConfig:
 
 
 def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton block sizes."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
@@ -61,6 +62,7 @@ def _row_config(op: str, n_cols: int, element_size: int, _generation: int) -> Ro
 
 @functools.cache
 def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device `index` (persistent grids and split counts size by it)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 

@@ -131,6 +131,8 @@ def _no_autograd_cache():
 
 @contextlib.contextmanager
 def record_launches() -> Iterator[LaunchRecord]:
+    """Record every kernel launch (op, kernel, backend; "reference" for a PyTorch reference path) made inside
+    the block, from any thread: `with kp_core.record_launches() as rec: ...; rec.backends("kp::norm")`."""
     record = LaunchRecord()
     with _lock:
         _records.append(record)

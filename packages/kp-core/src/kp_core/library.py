@@ -66,6 +66,7 @@ _REGISTRY: dict[str, KernelInfo] = {}
 
 
 def registered_kernels() -> dict[str, KernelInfo]:
+    """Every op declared with kp_core.op so far, by name ("kp::norm"): its package, conformance spec, dtypes."""
     return dict(_REGISTRY)
 
 

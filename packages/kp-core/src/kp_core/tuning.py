@@ -16,6 +16,7 @@ _generation = 0
 
 
 def settings(name: str, **defaults) -> dict:
+    """A kernel's launch settings: `defaults` with whatever kp_core.pin(name, ...) set laid over them."""
     pinned = _PINNED.get(name)
     return defaults if pinned is None else {**defaults, **pinned}
 

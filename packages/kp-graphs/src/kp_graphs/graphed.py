@@ -55,6 +55,9 @@ _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class Graphed:
+    """What kp_graphs.graphed returns: call it as fn is called (see graphed's docstring); `.stats` counts
+    captures, replays per bucket and eager fallbacks."""
+
     def __init__(self, fn, buckets, pad, pool, warmup, copy_outputs, name, training_step=False):
         if not callable(fn):
             raise TypeError(f"graphed: fn must be callable, got {type(fn).__name__}")
