@@ -65,6 +65,7 @@ _lock = threading.Lock()
 _KP_LOG = os.environ.get("KP_LOG", "").strip().lower()
 _LOG_LAUNCHES = _KP_LOG == "launches"
 _FIRST: set = set()  # (op, backend) already said
+PACKAGES: dict[str, str] = {}  # op -> its package ("kp::norm" -> "kp-norms"), filled by kp_core.library
 
 
 def _configure_logging() -> None:
@@ -81,10 +82,7 @@ def _configure_logging() -> None:
 
 def package_logger(op: str) -> logging.Logger:
     """The logger of the package that declared `op` ("kp::norm" -> kp.norms)."""
-    from kp_core.library import registered_kernels  # launches is imported by library
-
-    info = registered_kernels().get(op)
-    return logging.getLogger((info.package if info else "kp-core").replace("-", "."))
+    return logging.getLogger(PACKAGES.get(op, "kp-core").replace("-", "."))
 
 
 def _first(op: str, kernel: str, backend: str) -> None:

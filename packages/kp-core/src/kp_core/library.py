@@ -124,6 +124,7 @@ class Op:
         if inline:
             _inline_under_compile(self.op, forward)
         _REGISTRY[name] = KernelInfo(name, package, spec, tuple(dtypes), self.op)
+        launches.PACKAGES[name] = launches.PACKAGES[f"{name}_backward"] = package  # whose logger speaks for it
         self.backward_op = None
         if backward is not None:
             self.backward_op = torch.library.custom_op(
