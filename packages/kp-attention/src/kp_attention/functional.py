@@ -79,8 +79,7 @@ def _dropout_seed(op: str, dropout_p, dropout_seed, q: torch.Tensor) -> Optional
 
 
 def _check_options(op: str, causal, window, softcap, scale, d: int) -> Params:
-    if not isinstance(causal, bool):
-        raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+    kp_core.check_bool(op, "causal", causal)
     window = window_pair(window)
     if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(_is_int(w) for w in window)):
         raise ValueError(f"{op}: window must be a pair of ints (left, right), got {window!r}")
@@ -302,8 +301,7 @@ def scaled_dot_product_attention(
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"{op}: head dim of {name} must be between 1 and {MAX_HEAD_DIM}, got {dim}")
     seed = _dropout_seed(op, dropout_p, None, query)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"{op}: is_causal must be a bool, got {type(is_causal).__name__}")
+    kp_core.check_bool(op, "is_causal", is_causal)
     if is_causal and attn_mask is not None:
         raise ValueError(f"{op}: attn_mask and is_causal=True cannot be set together (as in torch)")
     if scale is not None and (

@@ -143,11 +143,6 @@ def _set(model: nn.Module, name: str, new: nn.Module) -> None:
     (model.get_submodule(parent) if parent else model)._modules[child] = new
 
 
-def _check_model(fn: str, model: object) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"kp_norms.{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
-
-
 def patch(
     model: nn.Module,
     *,
@@ -169,7 +164,7 @@ def patch(
     The root module itself is never replaced. Patching twice changes nothing the second time. A module reached by
     several names (shared) becomes one kp module at all of them, and every name is listed.
     """
-    _check_model("patch", model)
+    kp_core.check_module("kp_norms.patch", "model", model)
     for arg, flag in (("rms_norm", rms_norm), ("layer_norm", layer_norm), ("swiglu", swiglu)):
         kp_core.check_bool("kp_norms.patch", arg, flag)
     kp_core.check_callable("kp_norms.patch", "module_filter_fn", module_filter_fn)
@@ -206,7 +201,7 @@ def patch(
 def unpatch(model: nn.Module) -> list[str]:
     """Put back the original module objects `patch` replaced (with any Parameters or children reassigned since
     through the kp module); return the names restored."""
-    _check_model("unpatch", model)
+    kp_core.check_module("kp_norms.unpatch", "model", model)
     restored = []
     for name, module in list(model.named_modules(remove_duplicate=False)):
         original = module.__dict__.get(_ORIGINAL)

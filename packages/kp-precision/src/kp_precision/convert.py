@@ -25,8 +25,7 @@ from kp_precision.training import Float8Linear
 def swap_linears(model, caller, module_filter_fn, make, verbose, label, unfit=unaligned) -> nn.Module:
     """Replace each nn.Linear that module_filter_fn(module, fqn) picks (all if None) by make(linear), in place.
     Layers for which unfit(linear) gives a reason stay, named in one warning; verbose prints what was converted."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
+    kp_core.check_module(caller, "model", model)
     kp_core.check_callable(caller, "module_filter_fn", module_filter_fn)
     converted, skipped = [], []
     for fqn, module in list(model.named_modules()):
@@ -113,8 +112,7 @@ def prepare_qat(model: nn.Module, *, weight="int4", group_size="default", activa
 def convert(model: nn.Module, *, verbose=False) -> nn.Module:
     """Swap model's QATLinear layers for QuantizedLinear in place and return model (the weights quantised once,
     to exactly the values the QAT model trained with)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
+    kp_core.check_module("convert", "model", model)
     converted = []
     for fqn, module in list(model.named_modules()):
         for name, child in list(module.named_children()):

@@ -160,8 +160,7 @@ def scaled_mm(
         kp_core.check_tensor(_MM, "bias", bias, dtypes=(out_dtype, torch.float32), device=a.device, ndim=1)
         kp_core.check_shape(_MM, "bias", bias, (n,))
     act = _activation(_MM, activation)
-    if not isinstance(use_fast_accum, bool):
-        raise TypeError(f"{_MM}: use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
+    kp_core.check_bool(_MM, "use_fast_accum", use_fast_accum)
     return mm.SCALED_MM(a, b, scale_a, scale_b, bias, act, out_dtype, use_fast_accum)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kp_core
 from kp_precision.float8 import attached_float8
 from kp_precision.fsdp import Float8GatheredWeight
 from kp_precision.shared import E4M3, E5M2, cast, column_major, matmul, transpose
@@ -47,10 +48,8 @@ class Float8Config:
             raise ValueError(f"Float8Config: delayed scaling is for the tensorwise recipe, got {self.recipe!r}")
         if not isinstance(self.history_len, int) or self.history_len < 1:
             raise ValueError(f"Float8Config: history_len must be a positive int, got {self.history_len!r}")
-        if not isinstance(self.fast_accum_output, bool):
-            raise TypeError(f"Float8Config: fast_accum_output must be a bool, got {self.fast_accum_output!r}")
-        if not isinstance(self.fsdp_float8_all_gather, bool):
-            raise TypeError(f"Float8Config: fsdp_float8_all_gather must be a bool, got {self.fsdp_float8_all_gather!r}")
+        kp_core.check_bool("Float8Config", "fast_accum_output", self.fast_accum_output)
+        kp_core.check_bool("Float8Config", "fsdp_float8_all_gather", self.fsdp_float8_all_gather)
         if self.fsdp_float8_all_gather and (self.recipe, self.scaling) != ("tensorwise", "dynamic"):
             raise ValueError(
                 "Float8Config: fsdp_float8_all_gather is for the tensorwise recipe with dynamic scaling, got "

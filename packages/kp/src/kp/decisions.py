@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import kp_attention
+import kp_core
 from kp import cache as disk
 from kp import fusions, graphs
 from kp.candidates import ATTENTION, Candidate, candidates, kind_of
@@ -45,8 +46,7 @@ ATTENTION_LAYERS = "attention (every layer)"
 
 
 def _arguments(fn: str, model, example_inputs, mode, allow, deny, loss_budget, rows) -> tuple:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"kp.{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+    kp_core.check_module(f"kp.{fn}", "model", model)
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     if not isinstance(example_inputs, (tuple, list)):
@@ -232,8 +232,7 @@ def _attention_switch(gain_ms: float) -> Swap:
 
 def restore(model: nn.Module) -> list[str]:
     """Undo what kp.optimize changed in `model`; returns the layers put back (the same module objects)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"kp.restore: model must be a torch.nn.Module, got {type(model).__name__}")
+    kp_core.check_module("kp.restore", "model", model)
     undo = model.__dict__.pop(_UNDO, [])
     for _, fn in reversed(undo):
         fn()
