@@ -483,7 +483,10 @@ def _torch_fa(q, k, v, causal=False, softcap=0.0, window=(-1, -1), scale=None):
     """torch's SDPA on FlashAttention's (B, S, H, D) layout (GQA by repeated kv heads)."""
     rep = q.shape[2] // k.shape[2]
     k, v = (t.repeat_interleave(rep, 2) for t in (k, v))
-    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal, scale=scale)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if out is None:  # torch 2.11's CUDA SDPA returns None for an empty query: the empty result it means
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
     return out.transpose(1, 2)
 
 

@@ -8,6 +8,10 @@ A tier too long for one sitting runs in parts over whole spec files: KP_REPORT_R
 report an earlier part left (same architecture, device, tier, torch and triton, else it refuses), a rerun test
 replacing its earlier cells; KP_CENSUS=defer leaves the branch census to a later part, which checks it over every
 part's launches.
+
+Each test's time (setup + call + teardown, seconds) goes into the report (`durations`, slowest first) so a tier's
+long tail is visible; KP_PROGRESS=FILE also appends a line per test as it starts and ends, which survives a run
+that is killed at a time limit (the tests started but never ended are the tail).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ _STATUS = {"passed": "pass", "failed": "fail", "skipped": "not covered"}
 
 _TESTS: list[dict] = []  # one cell per test, as the tests report them
 
+
+_DURATIONS: dict[str, float] = {}  # nodeid -> seconds, as the (controller's) reports arrive
+_OUTCOMES: dict[str, str] = {}  # nodeid -> failed / skipped until its teardown report (for KP_PROGRESS)
 
 _EARLIER: dict = {}  # the report a resumed run adds to: its test cells, whether it ran whole files
 
@@ -59,7 +66,7 @@ def _resume() -> None:
             f"{'with' if 'tests' in earlier else 'without'} its test cells; this run is {identity})"
         )
     census.merge(earlier["census"])
-    _EARLIER.update(tests=earlier["tests"], whole_files=earlier["whole_files"])
+    _EARLIER.update(tests=earlier["tests"], whole_files=earlier["whole_files"], durations=earlier.get("durations", {}))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -93,8 +100,25 @@ def pytest_runtest_makereport(item, call):
     report.user_properties.append(("kp_cell", json.dumps(cell)))
 
 
+def _progress(*fields) -> None:
+    path = os.environ.get("KP_PROGRESS")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller alone writes it
+        with open(path, "a") as f:  # opened per line: a killed run keeps every line written
+            f.write("\t".join([f"{time.time():.2f}", *map(str, fields)]) + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _progress("start", nodeid)
+
+
 def pytest_runtest_logreport(report):
     # Runs in the controller under xdist too, with the workers' user_properties.
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+    if report.failed or (report.skipped and report.when != "teardown"):
+        _OUTCOMES[report.nodeid] = report.outcome
+    if report.when == "teardown":
+        outcome = _OUTCOMES.pop(report.nodeid, "passed")
+        _progress("end", f"{_DURATIONS[report.nodeid]:.2f}", outcome, report.nodeid)
     for key, value in getattr(report, "user_properties", ()):
         if key == "kp_cell":
             _TESTS.append(json.loads(value))
@@ -174,6 +198,12 @@ def pytest_sessionfinish(session, exitstatus):
         "whole_files": whole,
         "census": census.data(),
         "tests": sorted(tests, key=lambda c: c["test"]),
+        "durations": dict(
+            sorted(
+                {**_EARLIER.get("durations", {}), **{k: round(v, 2) for k, v in _DURATIONS.items()}}.items(),
+                key=lambda kv: -kv[1],
+            )
+        ),
     }
     path = _report_path(identity)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -90,7 +90,7 @@ def check_no_overlap(op: str, name: str, tensor: torch.Tensor, other_name: str, 
 
 def check_bool(op: str, name: str, value: object) -> bool:
     """A flag must be a bool: 1 or "yes" would be taken as True silently (an in-place write, a mode switch)."""
-    if value.__class__ is not bool:
+    if not isinstance(value, bool):  # (bool has no subclasses; isinstance is what torch.compile can trace)
         raise TypeError(f"{op}: {name} must be a bool, got {value!r}")
     return value
 

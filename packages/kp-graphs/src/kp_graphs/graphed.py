@@ -62,7 +62,7 @@ class Graphed:
         if not callable(fn):
             raise TypeError(f"graphed: fn must be callable, got {type(fn).__name__}")
         for arg, flag in (("copy_outputs", copy_outputs), ("training_step", training_step)):
-            if flag.__class__ is not bool:  # kp-graphs needs no kp-core: its own check
+            if not isinstance(flag, bool):  # kp-graphs needs no kp-core: its own check
                 raise TypeError(f"graphed: {arg} must be a bool, got {flag!r}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"graphed: warmup must be an int >= 1 (the runs before capture), got {warmup!r}")
