@@ -1,8 +1,9 @@
 """Every kp workflow is a nox session.
 
-    nox                      the default set (lint, tests, conformance, build, docs): the README's test command
+    nox                      the default set (lint, tests, conformance, release, docs): the README's test command
+    nox -s release           release dry run of every package (-- PKG ... [--tag TAG]); never publishes
     nox -s demo              the Llama-style demo: eager vs kp-patched, outputs, gradients, time, memory
-    nox -s bench             benchmarks against the anchors (needs a GPU)
+    nox -s bench             benchmarks against the anchors (needs a GPU; -- --compare: regression check)
     nox -s conformance-report
     nox -s mutants           planted bugs in one package's kernels: do its specs catch them? (-- --package P)
     nox -s memcheck          the specs under compute-sanitizer's memcheck (a CUDA machine)
@@ -14,6 +15,7 @@ the current interpreter's packages and put packages/*/src on PYTHONPATH instead 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -36,7 +38,7 @@ TESTED_WITH = {"kp-distributed": ("kp-norms", "kp-attention", "kp-precision")}
 # The umbrella package `kp` depends on every other package.
 TESTED_WITH["kp"] = tuple(p for p in PACKAGES if p != "kp")
 
-nox.options.sessions = ["lint", "tests", "conformance", "build", "docs"]
+nox.options.sessions = ["lint", "tests", "conformance", "release", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
@@ -45,10 +47,40 @@ def _installing(session: nox.Session) -> bool:
     return session.venv_backend != "none"
 
 
+# Installing torch and triton took 1.5-2.5 minutes per venv (2 GB written), most of the default run's install time
+# over its eleven venvs. They are installed once per checkout into shared layers (`pip install --target`) that each
+# session's venv sees through a .pth file: the packages under test still go into each venv alone, and what a venv
+# installs itself comes first on sys.path.
+LAYERS = ROOT / ".nox" / "_layers"
+
+
+def _layer(session: nox.Session, name: str, *requirements: str) -> Path:
+    """A folder holding `requirements` (and their dependencies), installed once and reused while they match."""
+    extra = ("--extra-index-url", TORCH_INDEX) if TORCH_INDEX else ()
+    key = hashlib.sha256("\n".join([*requirements, *extra]).encode()).hexdigest()[:12]
+    path = LAYERS / f"{name}-{key}"
+    if not (path / ".complete").exists():
+        shutil.rmtree(path, ignore_errors=True)
+        session.run("python", "-m", "pip", "install", "-q", "--target", str(path), *requirements, *extra)
+        (path / ".complete").touch()
+    return path
+
+
+def _use_layers(session: nox.Session, *layers: Path) -> None:
+    """Make the session's venv see the layers (after its own site-packages)."""
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = session.run("python", "-c", code, silent=True).strip().splitlines()[-1]
+    (Path(purelib) / "kp_layers.pth").write_text("".join(f"{layer}\n" for layer in layers))
+
+
 def _install_torch(session: nox.Session) -> None:
+    """torch, triton and the test tools (pytest, xdist, Hypothesis, expecttest) in the session, from the layers."""
     if _installing(session):
-        extra = ("--extra-index-url", TORCH_INDEX) if TORCH_INDEX else ()
-        session.install(TORCH, *extra, *KERNEL_DEPS)
+        _use_layers(
+            session,
+            _layer(session, "torch", TORCH),
+            _layer(session, "tools", *KERNEL_DEPS, *TEST_DEPS, *OPINFO_DEPS),
+        )
 
 
 def _install_packages(session: nox.Session, *names: str) -> dict[str, str]:
@@ -74,10 +106,12 @@ def _cpu_env() -> dict[str, str]:
 @nox.session(python="3.11", tags=["ci"])
 def lint(session: nox.Session) -> None:
     if _installing(session):
-        session.install("ruff>=0.6")
+        session.install("ruff>=0.6", "pytest>=8")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("python", str(ROOT / "docs" / "check_imports.py"))  # no import circles or private imports
+    # the benchmark regression check's own tests: JSON only, no torch, a few seconds
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "benchmarks" / "tests"))
 
 
 @nox.session(python="3.11", tags=["ci"])
@@ -86,14 +120,40 @@ def tests(session: nox.Session, package: str) -> None:
     """One package's own tests, in a venv holding only that package and kp-core (and TESTED_WITH's)."""
     _install_torch(session)
     if _installing(session):
-        session.install(*TEST_DEPS)
         if package in ("kp-norms", "kp-attention", "kp-distributed", "kp"):  # tiny transformers models
             session.install(*HF_DEPS)
         if package in ("kp-norms", "kp-attention"):  # their patch tests' tolerance rule
             session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, *dict.fromkeys(["kp-core", package, *TESTED_WITH.get(package, ())]))
     env.update(_cpu_env())
-    session.run("pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "packages" / package / "tests"), env=env)
+    tests = str(ROOT / "packages" / package / "tests")
+    workers = ("-n", os.environ.get("KP_WORKERS", "2"))
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, tests, "--durations=10", env=env)
+
+
+# The declared floors (requires-python, torch, triton): the oldest each package says it works with. PyPI serves
+# torch 2.6 only as its CUDA build (the CPU build alone is not on the registry), whose CPU side runs here.
+FLOORS = {"python": "3.10", "torch": "torch==2.6.0", "triton": "triton==3.2.0"}
+_FLOOR_PYTHON = shutil.which(f"python{FLOORS['python']}") or next(
+    iter(sorted(Path.home().glob(f".pyenv/versions/{FLOORS['python']}.*/bin/python{FLOORS['python']}"))), None
+)
+
+
+@nox.session(python=str(_FLOOR_PYTHON or FLOORS["python"]))
+@nox.parametrize("package", PACKAGES)
+def floors(session: nox.Session, package: str) -> None:
+    """A package's own tests at the declared floors: Python 3.10, torch 2.6, triton 3.2 (not in the default set:
+    torch 2.6's CUDA build is a 4 GB install). nox -s floors -- -k name (pytest options)."""
+    session.install(FLOORS["torch"], FLOORS["triton"], "numpy", *TEST_DEPS)
+    if package in ("kp-norms", "kp-attention", "kp-distributed", "kp"):
+        session.install(*HF_DEPS)
+    if package in ("kp-norms", "kp-attention"):
+        session.install("--no-deps", str(ROOT / "conformance"))
+    _install_packages(session, *dict.fromkeys(["kp-core", package, *TESTED_WITH.get(package, ())]))
+    tests = str(ROOT / "packages" / package / "tests")
+    workers = ("-n", os.environ.get("KP_WORKERS", "2"))
+    env = {"TRITON_INTERPRET": "1"}
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, tests, *session.posargs, env=env)
 
 
 @nox.session(python="3.11", tags=["ci"])
@@ -101,13 +161,14 @@ def conformance(session: nox.Session) -> None:
     """All specs. KP_TIER picks the size tier (small by default; GPU runs use large)."""
     _install_torch(session)
     if _installing(session):
-        session.install(*TEST_DEPS, *OPINFO_DEPS)
         session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, *PACKAGES)
     env.update(_cpu_env())
     env.setdefault("KP_TIER", os.environ.get("KP_TIER", "small"))
     workers = session.posargs or ["-n", os.environ.get("KP_WORKERS", "2")]
     session.run(
+        "python",
+        "-m",
         "pytest",
         "-q",
         "-p",
@@ -130,7 +191,6 @@ def mutants(session: nox.Session) -> None:
     """
     _install_torch(session)
     if _installing(session):
-        session.install(*TEST_DEPS)
         session.install("--no-deps", str(ROOT / "conformance"))
     # The packages too: the spec registry, which maps a package to its specs, imports every spec and package.
     env = _install_packages(session, *PACKAGES)
@@ -148,7 +208,6 @@ def memcheck(session: nox.Session) -> None:
     """
     _install_torch(session)
     if _installing(session):
-        session.install(*TEST_DEPS, *OPINFO_DEPS)
         session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, *PACKAGES)
     session.run("python", "-m", "kp_conformance.memcheck", "--root", str(ROOT), *session.posargs, env=env)
@@ -168,7 +227,7 @@ def fa_suite(session: nox.Session) -> None:
         session.error(f"{tests} not found: PATH must be a FlashAttention checkout")
     _install_torch(session)
     if _installing(session):
-        session.install(*TEST_DEPS, "einops")
+        session.install("einops")
         session.install("--no-deps", str(ROOT / "conformance"))
     env = _install_packages(session, "kp-core", "kp-attention")
     gpu = session.run("python", "-c", "import torch; print(torch.cuda.is_available())", silent=True, env=env)
@@ -182,61 +241,417 @@ def fa_suite(session: nox.Session) -> None:
 def conformance_report(session: nox.Session) -> None:
     """Merge conformance/reports/*.json into docs/conformance-matrix.md."""
     _install_torch(session)  # kp_conformance's package imports torch, pytest and hypothesis, and kp-core
-    if _installing(session):
-        session.install(*TEST_DEPS)
     env = _install_packages(session, "kp-core")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "conformance" / "src"), env.get("PYTHONPATH", "")])
     session.run("python", "-m", "kp_conformance.report", env=env)
 
 
 @nox.session(python="3.11", tags=["ci"])
-def build(session: nox.Session) -> None:
-    """Build each wheel alone, install it in a clean venv with only its dependencies, import it."""
+def release(session: nox.Session) -> None:
+    """Release dry run; it never publishes (release.yml does, after running it). For each package: its tag
+    (<name>-v<__version__>: kp-norms-v0.2.0, kp-v0.1.0, kp-conformance-v0.1.0), its CHANGELOG section, its kp
+    floors; sdist and wheel (twine check --strict, LICENSE and py.typed inside), uploaded with the kp packages it
+    needs to a local index server (pypiserver), installed from there into a clean venv that holds only torch, the
+    install proven by pip's report, and a smoke test (tests/smoke.py) in that venv. Built files stay in
+    dist/<name>/.
+
+    nox -s release                                     every package and kp-conformance
+    nox -s release -- kp-norms [kp-core ...]
+    nox -s release -- kp-norms --tag kp-norms-v0.2.0   the tag must be this release's (release.yml)
+    """
+    import argparse
+    import json
+    import subprocess
+    import time
+
     if not _installing(session):
-        session.skip("build needs virtualenvs")
-    session.install("build")
-    dist = ROOT / "dist"
-    shutil.rmtree(dist, ignore_errors=True)
-    for name in [*PACKAGES, "conformance"]:
-        src = ROOT / ("conformance" if name == "conformance" else f"packages/{name}")
-        session.run("python", "-m", "build", "--wheel", "--outdir", str(dist), str(src), silent=True)
-    wheels = {w.name.split("-")[0].replace("_", "-"): w for w in dist.glob("*.whl")}
+        session.skip("release needs virtualenvs")
+    start = time.perf_counter()
+    parser = argparse.ArgumentParser(prog="nox -s release --")
+    parser.add_argument("names", nargs="*", metavar="package")
+    parser.add_argument("--tag", help="the pushed tag; it must be <package>-v<version> of the one package given")
+    args = parser.parse_args(session.posargs)
+    if args.tag and _tag_package(args.tag) is None:
+        session.error(f"--tag {args.tag}: a release tag is <package>-v<version>, e.g. kp-norms-v0.2.0 or kp-v0.1.0")
+    names = args.names or ([_tag_package(args.tag)] if args.tag else list(RELEASED))
+    unknown = [n for n in names if n not in RELEASED]
+    if unknown:
+        session.error(f"unknown package(s) {unknown}: choose from {list(RELEASED)}")
+    if args.tag and names != [_tag_package(args.tag)]:
+        session.error(f"--tag {args.tag} releases {_tag_package(args.tag)}; give that one package alone")
+
+    # Checks that need no build first, for every package at once.
+    head_tags = _git("tag", "--points-at", "HEAD")
+    if head_tags is None:
+        session.warn("not a git checkout: the tags on HEAD are not checked")
+    problems = [p for n in names for p in _release_problems(n, args.tag, head_tags or [])]
+    if problems:
+        session.error("release checks failed:\n  " + "\n  ".join(problems))
+    for n in names:
+        session.log(f"{n} {_version(n)}: tag {_tag(n)}, CHANGELOG section and kp floors checked")
+
+    # Build each distribution once (the packages and what they need from packages/), sdist then wheel from it.
+    everything = list(dict.fromkeys(d for n in names for d in [*_local_dependencies(n), n]))
+    requires = {r for n in everything for r in _pyproject(n)["build-system"]["requires"]}
+    session.install("build", "twine", "pypiserver", *sorted(requires))
+    built = {}
+    for n in everything:
+        out = ROOT / "dist" / n
+        shutil.rmtree(out, ignore_errors=True)
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(out), str(_folder(n)), silent=True)
+        built[n] = _built_files(session, n, out)
+    session.run("twine", "check", "--strict", *(str(f) for n in everything for f in built[n]), silent=True)
+    session.log(f"built and checked (twine check --strict, LICENSE, py.typed) in dist/: {', '.join(everything)}")
+    built_s = time.perf_counter() - start
+
     tmp = Path(session.create_tmp())
-    extra = ("--extra-index-url", TORCH_INDEX) if TORCH_INDEX else ()
-    # One venv with torch alone (what every package needs; installing it per package took most of this session's
-    # 5 minutes). Each package goes in with what pip resolves for it, is imported, and everything it brought is
-    # uninstalled again, so the next package finds torch and nothing else.
-    venv = tmp / "clean"
+    venv = _clean_venv(session, tmp / "clean")
+    venv_s = time.perf_counter() - start - built_s
+    py = str(venv / "bin" / "python")
+    index = tmp / "index"
+    shutil.rmtree(index, ignore_errors=True)
+    index.mkdir()
+    port = _free_port()
+    local = f"http://127.0.0.1:{port}/"
+    # No authentication (-a . -P .), nothing fetched from elsewhere: the index serves only what is uploaded here.
+    server_cmd = [str(Path(session.bin) / "pypi-server"), "run", "-i", "127.0.0.1", "-p", str(port)]
+    log = (tmp / "pypiserver.log").open("w")
+    server = subprocess.Popen(
+        [*server_cmd, "-a", ".", "-P", ".", "--disable-fallback", str(index)], stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        _wait_for(session, server, local + "simple/", tmp / "pypiserver.log")
+        files = [str(f) for n in everything for f in built[n]]
+        upload = ("twine", "upload", "--non-interactive", "--disable-progress-bar", "--repository-url", local)
+        session.run(*upload, "-u", "x", "-p", "x", *files)
+        registry = _pip_index(session, py)
+        extra = ("--extra-index-url", TORCH_INDEX) if TORCH_INDEX else ()
+        indexes = ("--index-url", local + "simple/", "--extra-index-url", registry, *extra)
+        base = _installed(session, py)
+        times = {}
+        # Packages that need the same third-party distributions run one after another, and those (triton, numpy)
+        # stay installed from one to the next: the same requirements resolve to the same files, and installing
+        # triton again took 14 s a package. Each is proven by the report of the first package that brought it.
+        names = sorted(names, key=_third_party)
+        carried: list[str] = []
+        for i, n in enumerate(names):
+            t0 = time.perf_counter()
+            extras = _kernel_extras(n)
+            want = f"{n}[{','.join(extras)}]=={_version(n)}" if extras else f"{n}=={_version(n)}"
+            report = tmp / f"{n}-report.json"
+            pip = (py, "-m", "pip", "install", "-q", "--no-compile", "--report", str(report), *indexes, TORCH, want)
+            session.run(*pip, external=True)
+            install = json.loads(report.read_text())
+            problems = _report_problems(install, n, extras, local)
+            if problems:
+                session.error(f"{n}: the install is not what was released:\n  " + "\n  ".join(problems))
+            got = sorted(f"{d['metadata']['name']} {d['metadata']['version']}" for d in install["install"])
+            session.log(f"{n}: installed {', '.join(got)}; the kp ones from the local index")
+            smoke = str(_folder(n) / "tests" / "smoke.py")
+            # -I: the installed distribution is imported, never the checkout (no cwd or script folder on sys.path)
+            session.run(py, "-I", "-c", _SMOKE, n, smoke, external=True, env=_cpu_env())
+            brought = [*(_canonical(d["metadata"]["name"]) for d in install["install"]), *carried]
+            same = i + 1 < len(names) and _third_party(names[i + 1]) == _third_party(n)
+            carried = [b for b in brought if b not in RELEASED] if same else []
+            gone = [b for b in brought if b not in carried]
+            session.run(py, "-m", "pip", "uninstall", "-q", "-y", *gone, external=True)
+            if _installed(session, py) != base | set(carried):
+                session.error(f"{n}: uninstalling {gone} did not leave the clean venv as it was (and {carried})")
+            times[n] = time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+    per = ", ".join(f"{n} {s:.0f} s" for n, s in times.items())
+    session.log(
+        f"release dry run passed in {time.perf_counter() - start:.0f} s: checks and builds {built_s:.0f} s, the "
+        f"clean venv {venv_s:.0f} s, install and smoke test {per}"
+    )
+
+
+# What release's clean venv runs for each package: the metadata version against __version__, then its smoke test.
+_SMOKE = """
+import importlib, importlib.metadata, runpy, sys
+name, smoke = sys.argv[1:]
+module = importlib.import_module(name.replace("-", "_"))
+assert module.__version__ == importlib.metadata.version(name), (module.__version__, importlib.metadata.version(name))
+assert "site-packages" in module.__file__, module.__file__
+runpy.run_path(smoke, run_name="__main__")
+print(name, module.__version__, "from", module.__file__, ": smoke test passed")
+"""
+
+
+def _folder(name: str) -> Path:
+    return ROOT / "conformance" if name == "kp-conformance" else ROOT / "packages" / name
+
+
+def _pyproject(name: str) -> dict:
+    import tomllib
+
+    return tomllib.loads((_folder(name) / "pyproject.toml").read_text())
+
+
+def _version(name: str) -> str:
+    """The package's one version: __version__ in the file pyproject's [tool.hatch.version] names."""
+    init = _folder(name) / _pyproject(name)["tool"]["hatch"]["version"]["path"]
+    found = re.search(r'^__version__ = "([^"]+)"', init.read_text(), re.M)
+    if found is None:
+        raise ValueError(f'{init}: no line __version__ = "..."')
+    return found[1]
+
+
+def _kp_requirements(name: str) -> list:
+    """The requirements in `name`'s dependencies on packages of this repository."""
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in _pyproject(name)["project"]["dependencies"]]
+    return [r for r in reqs if r.name in RELEASED]
+
+
+def _local_dependencies(name: str) -> list[str]:
+    """The packages of this repository `name` depends on, deepest first."""
+    local = [r.name for r in _kp_requirements(name)]
+    return list(dict.fromkeys([*(x for d in local for x in _local_dependencies(d)), *local]))
+
+
+# Every distribution `nox -s release` checks, dependencies first (kp-core first, the umbrella kp last).
+RELEASED: dict[str, None] = dict.fromkeys(["kp-core", *(p for p in PACKAGES if p not in ("kp-core", "kp"))])
+RELEASED.update(dict.fromkeys(["kp-conformance", "kp"]))
+
+
+def _tag(name: str) -> str:
+    return f"{name}-v{_version(name)}"
+
+
+def _tag_package(tag: str) -> str | None:
+    found = re.fullmatch(r"(kp(?:-[a-z]+)*)-v\d.*", tag)
+    return found[1] if found else None
+
+
+def _kernel_extras(name: str) -> list[str]:
+    """The extra that brings what the package's kernels need (triton), where it declares one."""
+    return [e for e in ("triton",) if e in _pyproject(name)["project"].get("optional-dependencies", {})]
+
+
+def _git(*args: str) -> list[str] | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.split()
+
+
+def _release_problems(name: str, tag: str | None, head_tags: list[str]) -> list[str]:
+    """What stops `name` from being released from this commit: its tag, CHANGELOG section and kp floors."""
+    version, expected = _version(name), _tag(name)
+    problems = []
+    if tag is not None and tag != expected:
+        problems.append(f"{name}: the tag is {tag}, but __version__ {version} makes it {expected}")
+    if tag is not None and _git("rev-parse", "-q", "--verify", f"refs/tags/{tag}^{{commit}}") not in (
+        None,
+        _git("rev-parse", "HEAD"),
+    ):
+        problems.append(f"{name}: the tag {tag} is not on HEAD")
+    for other in (t for t in head_tags if _tag_package(t) == name and t != expected):
+        problems.append(f"{name}: HEAD is tagged {other}, but __version__ {version} makes the tag {expected}")
+    problems += _changelog_problems(name, version, releasing=tag is not None or expected in head_tags)
+    for req in _kp_requirements(name):  # e.g. kp-core>=0.2.0: the kp-core released beside it must satisfy it
+        if not req.specifier.contains(_version(req.name), prereleases=True):
+            problems.append(f"{name}: requires {req}, but {req.name} here is {_version(req.name)}")
+    return problems
+
+
+def _changelog_problems(name: str, version: str, releasing: bool) -> list[str]:
+    """CHANGELOG.md: an optional `## Unreleased` first, then `## <version> - YYYY-MM-DD` sections, newest first,
+    none empty; the newest is __version__'s. When releasing (a tag), Unreleased must be empty too."""
+    import datetime
+
+    from packaging.version import InvalidVersion, Version
+
+    path = _folder(name) / "CHANGELOG.md"
+    if not path.is_file():
+        return [f"{name}: {path.relative_to(ROOT)} is missing"]
+    sections: list[tuple[str, list[str]]] = []
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            sections.append((line[3:].strip(), []))
+        elif sections:
+            sections[-1][1].append(line)
+    where = f"{name}: {path.relative_to(ROOT)}"
+    problems, versions = [], []
+    for i, (title, body) in enumerate(sections):
+        filled = any(line.strip() for line in body)
+        if title == "Unreleased":
+            if i:
+                problems.append(f"{where}: '## Unreleased' must be the first section")
+            elif releasing and filled:
+                problems.append(f"{where}: move the entries under '## Unreleased' into the {version} section")
+            continue
+        found = re.fullmatch(r"(\S+) - (\d{4}-\d{2}-\d{2})", title)
+        try:
+            datetime.date.fromisoformat(found[2]) if found else None
+            Version(found[1]) if found else None
+        except (ValueError, InvalidVersion):
+            found = None
+        if found is None:
+            problems.append(f"{where}: '## {title}' is neither '## Unreleased' nor '## <version> - YYYY-MM-DD'")
+            continue
+        if not filled:
+            problems.append(f"{where}: the section '## {title}' is empty")
+        if versions and Version(found[1]) >= Version(versions[-1]):
+            problems.append(f"{where}: '## {title}' is below {versions[-1]}: newest first")
+        versions.append(found[1])
+    if not versions or versions[0] != version:
+        problems.append(f"{where}: the newest section must be '## {version} - YYYY-MM-DD' (__version__ is {version})")
+    return problems
+
+
+def _built_files(session: nox.Session, name: str, out: Path) -> list[Path]:
+    """The sdist and the wheel in `out`, after checking their names, version, LICENSE and (wheel) py.typed."""
+    import tarfile
+    import zipfile
+
+    module = name.replace("-", "_")
+    stem = f"{module}-{_version(name)}"
+    sdist, wheel = out / f"{stem}.tar.gz", out / f"{stem}-py3-none-any.whl"
+    if sorted(out.iterdir()) != sorted([sdist, wheel]):
+        session.error(f"{name}: expected {sdist.name} and {wheel.name} in {out}, found {sorted(out.iterdir())}")
+    with zipfile.ZipFile(wheel) as z:
+        wheel_files = set(z.namelist())
+        metadata = z.read(f"{stem}.dist-info/METADATA").decode()
+    with tarfile.open(sdist) as t:
+        sdist_files = set(t.getnames())
+    missing = [
+        f"{wheel.name}: {f}"
+        for f in (f"{stem}.dist-info/licenses/LICENSE", f"{module}/py.typed")
+        if f not in wheel_files
+    ]
+    missing += [f"{sdist.name}: {f}" for f in (f"{stem}/LICENSE",) if f not in sdist_files]
+    if f"\nVersion: {_version(name)}\n" not in metadata:
+        missing.append(f"{wheel.name}: METADATA Version {_version(name)}")
+    if missing:
+        session.error(f"{name}: missing from the built files: {missing}")
+    return [sdist, wheel]
+
+
+def _clean_venv(session: nox.Session, venv: Path) -> Path:
+    """A venv holding torch alone (TORCH, from the registry pip normally uses, and KP_TORCH_INDEX); kept between
+    runs while what it holds is what it held when made."""
+    py = str(venv / "bin" / "python")
+    stamp = venv / "kp-baseline.txt"
+    if stamp.is_file() and stamp.read_text() == f"{TORCH}\n{TORCH_INDEX}\n{sorted(_installed(session, py))}":
+        return venv
     shutil.rmtree(venv, ignore_errors=True)
     session.run("python", "-m", "venv", str(venv))
-    py = str(venv / "bin" / "python")
-    session.run(py, "-m", "pip", "install", "-q", TORCH, *extra, external=True)
-    base = _installed(session, py)
-    for name in PACKAGES:
-        deps = [str(wheels[d]) for d in _local_dependencies(name)]
-        session.run(py, "-m", "pip", "install", "-q", TORCH, *extra, *deps, str(wheels[name]), external=True)
-        module = name.replace("-", "_")
-        check = f"import {module}; print({module}.__name__, {module}.__version__, 'imports alone')"
-        session.run(py, "-c", check, external=True)
-        brought = sorted(_installed(session, py) - base)
-        if brought:
-            session.run(py, "-m", "pip", "uninstall", "-q", "-y", *brought, external=True)
-    shutil.rmtree(venv)
+    extra = ("--extra-index-url", TORCH_INDEX) if TORCH_INDEX else ()
+    # --no-compile: compiling all of torch's .pyc files made this install 79 s instead of 26; the first import
+    # writes those of the modules it imports.
+    session.run(py, "-m", "pip", "install", "-q", "--no-compile", TORCH, *extra, external=True)
+    stamp.write_text(f"{TORCH}\n{TORCH_INDEX}\n{sorted(_installed(session, py))}")
+    return venv
 
 
 def _installed(session: nox.Session, py: str) -> set[str]:
     """The distributions installed in the venv of `py`, by name."""
+    if not Path(py).exists():
+        return set()
     out = session.run(py, "-m", "pip", "list", "--format=freeze", silent=True, external=True)
-    return {line.split("==")[0].lower() for line in out.splitlines() if "==" in line}
+    return {_canonical(line.split("==")[0]) for line in out.splitlines() if "==" in line}
 
 
-def _local_dependencies(name: str) -> list[str]:
-    """The packages/ folders `name` depends on (by pyproject), deepest first: their wheels install from dist/."""
-    import tomllib
+def _canonical(name: str) -> str:
+    from packaging.utils import canonicalize_name
 
-    deps = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())["project"]["dependencies"]
-    local = [d for d in (re.split(r"[<>=!~ \[]", d, maxsplit=1)[0] for d in deps) if d in PACKAGES]
-    return list(dict.fromkeys([*(x for d in local for x in _local_dependencies(d)), *local]))
+    return canonicalize_name(name)
+
+
+def _third_party(name: str) -> list[str]:
+    """What installing `name` (with its kernel extra) asks for beyond torch and kp's packages, its kp
+    dependencies' requirements included."""
+    from packaging.requirements import Requirement
+
+    wanted = []
+    for d in [name, *_local_dependencies(name)]:
+        project = _pyproject(d)["project"]
+        wanted += project["dependencies"]
+        wanted += [r for e in _kernel_extras(d) if d == name for r in project["optional-dependencies"][e]]
+    return sorted({r for r in wanted if Requirement(r).name not in ("torch", *RELEASED)})
+
+
+def _pip_index(session: nox.Session, py: str) -> str:
+    """The index pip uses when given none (PIP_INDEX_URL, pip's configuration, else PyPI): release's installs
+    take torch, triton and numpy from it, beside the local index."""
+    if os.environ.get("PIP_INDEX_URL"):
+        return os.environ["PIP_INDEX_URL"]
+    out = session.run(py, "-m", "pip", "config", "list", silent=True, external=True)
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key.rsplit(".", 1)[-1] == "index-url":
+            return value.strip("'\"")
+    return "https://pypi.org/simple"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(session: nox.Session, server, url: str, log: Path) -> None:
+    import time
+    import urllib.request
+
+    for _ in range(100):
+        if server.poll() is not None:
+            session.error(f"the index server exited ({server.returncode}); its log: {log}")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    session.error(f"the index server did not answer at {url}")
+
+
+def _report_problems(report: dict, name: str, extras: list[str], local: str) -> list[str]:
+    """pip's install report against the release: the package and its kp dependencies, at their versions, from the
+    local index; everything else from elsewhere and required by them (the extras' dependencies, kp-conformance's
+    own); torch untouched."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    items = {canonicalize_name(i["metadata"]["name"]): i for i in report["install"]}
+    kp = {name, *_local_dependencies(name)}
+    problems = []
+    if set(items) & set(RELEASED) != kp:
+        problems.append(f"kp distributions installed: {sorted(set(items) & set(RELEASED))}, expected {sorted(kp)}")
+    for n, item in items.items():
+        url, version = item["download_info"]["url"], item["metadata"]["version"]
+        if n in kp and (not url.startswith(local) or version != _version(n)):
+            problems.append(f"{n} {version} came from {url}, not {_version(n)} from the local index")
+        if n not in kp and url.startswith(local):
+            problems.append(f"{n} came from the local index")
+    if "torch" in items:
+        problems.append(f"torch was installed again ({items['torch']['metadata']['version']}): the baseline changed")
+    if sorted(items.get(name, {}).get("requested_extras") or []) != sorted(extras):
+        problems.append(f"{name}: extras {items.get(name, {}).get('requested_extras')}, expected {extras}")
+    # Everything installed must be required by the package (with its extras) through what was installed.
+    reached, todo = set(), [(name, set(extras))]
+    while todo:
+        n, wanted = todo.pop()
+        if n in reached or n not in items:
+            continue
+        reached.add(n)
+        for r in map(Requirement, items[n]["metadata"].get("requires_dist") or []):
+            env = report["environment"]
+            if r.marker is None or any(r.marker.evaluate({**env, "extra": e}) for e in wanted or {""}):
+                todo.append((canonicalize_name(r.name), set(r.extras)))
+    if set(items) - reached:
+        problems.append(f"installed but not required by {name}{sorted(extras)}: {sorted(set(items) - reached)}")
+    return problems
 
 
 @nox.session(python="3.11")
@@ -252,19 +667,81 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Benchmarks against the anchors in the same run (GPU only); writes benchmarks/results/<device>/."""
+    """Benchmarks against the anchors in the same run (GPU only); writes benchmarks/results/<device>/.
+
+    nox -s bench -- --only quantize sparsity    bench_quantize.py and bench_sparsity.py alone
+    nox -s bench -- --compare [--only ...]      the run goes to KP_RESULTS_DIR (default: .nox/bench-compare, emptied
+                                                first), not over the committed results; then benchmarks/compare.py
+                                                checks it against benchmarks/results and fails on a regression
+    Other arguments go to every script.
+    """
+    args, compare, only = list(session.posargs), False, None
+    if "--compare" in args:
+        args.remove("--compare")
+        compare = True
+    if "--only" in args:
+        i = args.index("--only")
+        end = next((j for j in range(i + 1, len(args)) if args[j].startswith("-")), len(args))
+        only, args = args[i + 1 : end], args[:i] + args[end:]
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    if only is not None:
+        known = {s.stem.removeprefix("bench_"): s for s in scripts}
+        unknown = sorted(set(only) - set(known))
+        if not only or unknown:
+            session.error(f"--only {' '.join(unknown)}: pick from {' '.join(sorted(known))}")
+        scripts = [known[name] for name in only]
     _install_torch(session)
     if _installing(session):
         session.install("matplotlib", "tqdm")
     env = _install_packages(session, *PACKAGES)
-    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
-        session.run("python", str(script), *session.posargs, env=env)
+    if compare:
+        given = os.environ.get("KP_RESULTS_DIR")
+        out = Path(given).resolve() if given else ROOT / ".nox" / "bench-compare"
+        if not given:  # a stale kernel from an earlier run must not be compared
+            shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True, exist_ok=True)
+        env["KP_RESULTS_DIR"] = str(out)
+    for script in scripts:
+        session.run("python", str(script), *args, env=env)
+    if compare:
+        if not any(out.glob("*/*.json")):
+            session.skip(f"no results in {out} (no GPU?): nothing to compare")
+        baseline = ROOT / "benchmarks" / "results"
+        session.run("python", str(ROOT / "benchmarks" / "compare.py"), "--run", str(out), "--baseline", str(baseline))
 
 
 @nox.session(python="3.11", tags=["ci"])
 def docs(session: nox.Session) -> None:
-    """The README's package table against packages/, then the site with its links checked (mkdocs --strict)."""
+    """The README's package table against packages/, then the site with its links checked (mkdocs --strict): the
+    API pages come from the docstrings (mkdocstrings, read without importing the packages), and docs/hooks.py fails
+    the build on a public object without a docstring or without an example in it (docs/docstrings.py)."""
     if _installing(session):
-        session.install("mkdocs>=1.6")
+        # ruff: mkdocstrings formats the API pages' signatures with it
+        session.install("mkdocs>=1.6", "mkdocstrings[python]>=1.0", "mkdocstrings-python>=2.0", "ruff>=0.6")
     session.run("python", str(ROOT / "docs" / "check_packages.py"))
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))
+
+
+@nox.session(name="docs-browser", python="3.11")
+def docs_browser(session: nox.Session) -> None:
+    """The built site in headless Chromium (docs/check_site.py): every page opened over http on 127.0.0.1; fails
+    on a console or page error, an image that does not load, a link to a missing page or #anchor. Chromium is the
+    operating system's (`apt-get install chromium`; CHROMIUM=path picks another), driven by Playwright; without
+    one the session is skipped.
+
+    nox -s docs-browser
+    CHROMIUM=/usr/bin/chromium-headless-shell nox -s docs-browser
+    """
+    names = (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "chromium-headless-shell", "google-chrome")
+    chromium = next((found for name in names if name and (found := shutil.which(name))), None)
+    if chromium is None:
+        session.skip(
+            "no Chromium on PATH (chromium, chromium-browser, chromium-headless-shell, google-chrome) and CHROMIUM "
+            "unset: install the OS package (Debian/Ubuntu: apt-get install chromium) or set CHROMIUM=/path/to/it"
+        )
+    if _installing(session):
+        docs = ("mkdocs>=1.6", "mkdocstrings[python]>=1.0", "mkdocstrings-python>=2.0", "ruff>=0.6")
+        session.install(*docs, "playwright>=1.40")  # Playwright's driver only: the browser is the OS's
+    site = Path(session.create_tmp()) / "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
+    session.run("python", str(ROOT / "docs" / "check_site.py"), str(site), "--chromium", chromium)

@@ -1,5 +1,9 @@
 """Fail when a package's modules import each other in a circle, or import another module's private (`_name`)
-objects; print each package's module count, floors and largest file with --stats.
+objects, or raise a TypeError/ValueError whose message does not follow the error convention; print each
+package's module count, floors and largest file with --stats.
+
+The error convention: a message starts with the public function the user called, `kp_norms.rms_norm: ...`;
+never with a torch.library op name (`kp::norm: ...`), which several functions share and users never call.
 
     python docs/check_imports.py [--stats]      (run by `nox -s lint`)
 
@@ -47,6 +51,24 @@ def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, str | None, i
     return out
 
 
+def error_prefixes(path: Path) -> list[tuple[int, str]]:
+    """Raised TypeError/ValueError messages that start with an op name (`kp::...`, or an `OP` constant)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        call = node.exc if isinstance(node, ast.Raise) else None
+        if not (isinstance(call, ast.Call) and getattr(call.func, "id", "") in ("TypeError", "ValueError")):
+            continue
+        first = call.args[0] if call.args else None
+        if isinstance(first, ast.JoinedStr) and first.values:
+            first = first.values[0]
+            if isinstance(first, ast.FormattedValue) and getattr(first.value, "id", "").endswith("OP"):
+                out.append((node.lineno, "an error message starts with an op name: name the public function"))
+                continue
+        if isinstance(first, ast.Constant) and str(first.value).startswith("kp::"):
+            out.append((node.lineno, "an error message starts with an op name: name the public function"))
+    return out
+
+
 def check(src: Path) -> tuple[list[str], dict]:
     known = modules(src)
     graph = {m: set() for m in known}
@@ -57,6 +79,7 @@ def check(src: Path) -> tuple[list[str], dict]:
             if name is not None and name.startswith("_"):
                 where = path.relative_to(ROOT)
                 problems.append(f"{where}:{line}: imports the private {name} from {target}")
+        problems += [f"{path.relative_to(ROOT)}:{line}: {why}" for line, why in error_prefixes(path)]
     found = circles(graph)
     for cycle in found:
         problems.append("import circle: " + " -> ".join([*cycle, cycle[0]]))

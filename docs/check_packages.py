@@ -1,5 +1,6 @@
 """Fail when README.md's package table disagrees with packages/: every package folder must have a row with its
-version, every row with a version must be a package folder of that version (pyproject.toml and __version__).
+version, every row with a version must be a package folder of that version (its __version__). Every package (and
+conformance/) writes its version only in `__version__`: pyproject.toml declares it dynamic and points hatch there.
 Every package (and conformance/) carries the repository's LICENSE unchanged (hatchling puts it in the wheel and
 sdist) and a py.typed marker.
 
@@ -16,18 +17,33 @@ ROOT = Path(__file__).resolve().parent.parent
 ROW = re.compile(r"^\|\s*`(kp(?:-[a-z]+)?)`\s*\|.*\|\s*([^|]+?)\s*\|\s*$")
 
 
+def single_version(folder: Path) -> tuple[str | None, str | None]:
+    """(the version in the package's __version__, or a problem with how pyproject.toml takes it)."""
+    pyproject = tomllib.loads((folder / "pyproject.toml").read_text())
+    (module,) = (Path(p).name for p in pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"])
+    init = f"src/{module}/__init__.py"
+    code = re.search(r'^__version__ = "([^"]+)"', (folder / init).read_text(), re.M)
+    version = code[1] if code else None
+    if "version" in pyproject["project"] or "version" not in pyproject["project"].get("dynamic", []):
+        return version, 'pyproject.toml must not write a version: dynamic = ["version"] takes __version__'
+    if pyproject["tool"].get("hatch", {}).get("version", {}).get("path") != init:
+        return version, f'pyproject.toml needs [tool.hatch.version] path = "{init}"'
+    if version is None:
+        return None, f'{init} needs a line __version__ = "<version>"'
+    return version, None
+
+
 def main() -> int:
     table = {m[1]: m[2] for line in (ROOT / "README.md").read_text().splitlines() if (m := ROW.match(line))}
     problems = []
-    for folder in sorted(p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file()):
-        name = folder.name
-        version = tomllib.loads((folder / "pyproject.toml").read_text())["project"]["version"]
-        init = (folder / "src" / name.replace("-", "_") / "__init__.py").read_text()
-        code = re.search(r'^__version__ = "([^"]+)"', init, re.M)
-        if code is None or code[1] != version:
-            problems.append(f"{name}: pyproject.toml says {version}, __version__ says {code[1] if code else None}")
-        if table.get(name) != version:
-            problems.append(f"README.md: the row of {name} must say {version}, it says {table.get(name)}")
+    for folder in [*sorted((ROOT / "packages").iterdir()), ROOT / "conformance"]:
+        if not (folder / "pyproject.toml").is_file():
+            continue
+        version, problem = single_version(folder)
+        if problem:
+            problems.append(f"{folder.name}: {problem}")
+        if folder.parent.name == "packages" and table.get(folder.name) != version:
+            problems.append(f"README.md: the row of {folder.name} must say {version}, it says {table.get(folder.name)}")
     license_text = (ROOT / "LICENSE").read_text()
     for folder in [*sorted((ROOT / "packages").iterdir()), ROOT / "conformance"]:
         if not (folder / "pyproject.toml").is_file():

@@ -5,9 +5,16 @@ An op page is titled "# <op>: <what it is>" and names its package on its "Part o
 In the nav the pages are grouped by package in the order of the nav's package pages, then by op name, each
 titled with its op name (the spec's name: see kp_conformance.registry). conformance/specs/test_registry.py checks
 that every op has its page and that the nav lists it.
+
+The nav's "API reference" section is every package's docs/api/<package>.md, in the same order; the API_MARKER line
+of such a page becomes one mkdocstrings directive per name of the package's __all__ (docs/docstrings.py). Before
+the build, every public object's docstring is checked there (a docstring; for a function or class, an Examples:
+section with a >>> snippet): one missing fails the build, naming each offender.
 """
 
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 PART_OF = re.compile(r"^Part of \[(kp-[a-z-]+)\]\(\.\./\1\.md\)", re.M)
@@ -41,10 +48,28 @@ def ops_table(docs_dir, package: str) -> str:
     return "\n".join(rows)
 
 
+_LOADED = {}  # "griffe": the packages as docs/docstrings.py loads them, once per build (on_config)
+
+
+def _docstrings():
+    """docs/docstrings.py as a module (hooks are loaded from their path; docs/ is not on sys.path)."""
+    name = "kp_docs_docstrings"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("docstrings.py"))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
 def on_page_markdown(markdown, page, config, files):
-    if OPS_TABLE not in markdown:
-        return markdown
-    return markdown.replace(OPS_TABLE, ops_table(config["docs_dir"], Path(page.file.src_uri).stem))
+    if OPS_TABLE in markdown:
+        markdown = markdown.replace(OPS_TABLE, ops_table(config["docs_dir"], Path(page.file.src_uri).stem))
+    docstrings = _docstrings()
+    if docstrings.API_MARKER in markdown:
+        package = next(p for p in docstrings.packages() if p.api_page == page.file.src_uri)
+        api = docstrings.api_markdown(_LOADED.get("griffe") or docstrings.load(), package.module)
+        markdown = markdown.replace(docstrings.API_MARKER, api)
+    return markdown
 
 
 def on_config(config):
@@ -53,5 +78,20 @@ def on_config(config):
     if ops is None:
         raise ValueError("mkdocs.yml: the nav needs an 'Ops' entry for docs/hooks.py to fill")
     pages = [v for e in entries for v in e.values() if isinstance(v, str)]
-    ops["Ops"] = ops_nav(config["docs_dir"], [p.removesuffix(".md") for p in pages if p.startswith("kp-")])
+    names = [p.removesuffix(".md") for p in pages if p.startswith("kp-") or p == "kp.md"]
+    ops["Ops"] = ops_nav(config["docs_dir"], [n for n in names if n != "kp"])
+    api = next((e for e in entries if "API reference" in e), None)
+    if api is None:
+        raise ValueError("mkdocs.yml: the nav needs an 'API reference' entry for docs/hooks.py to fill")
+    docstrings = _docstrings()
+    rank = {name: i for i, name in enumerate(names)}
+    pages = sorted(docstrings.packages(), key=lambda p: (rank.get(p.name, len(rank)), p.name))
+    api["API reference"] = [{p.name: p.api_page} for p in pages]
+    _LOADED["griffe"] = docstrings.load()
+    problems = docstrings.problems(_LOADED["griffe"], docs_dir=config["docs_dir"])
+    if problems:
+        # imported here: conformance/specs/test_registry.py loads this file where mkdocs is not installed
+        from mkdocs.exceptions import PluginError
+
+        raise PluginError("docstrings (docs/docstrings.py):\n  " + "\n  ".join(problems))
     return config

@@ -110,10 +110,27 @@ def _measure(op, q, k, v, causal, scale, training, run_kp) -> str:
 
 
 def decided() -> dict[tuple, str]:
-    """The signatures measured so far and their choice (a copy)."""
+    """The signatures measured so far and their choice (a copy): call signature -> "kp" or "torch".
+
+    Examples:
+        >>> import torch
+        >>> import kp_attention
+        >>> from kp_attention import backend
+        >>> q = torch.randn(1, 64, 4, 32)
+        >>> out = kp_attention.flash_attention(q, q, q, causal=True)
+        >>> backend.decided()  # off a GPU nothing is measured: "auto" runs kp's kernel
+        {}
+    """
     return dict(_DECIDED)
 
 
 def forget() -> None:
-    """Drop every decision (the next call of each signature measures again)."""
+    """Drop every decision (the next call of each signature measures again).
+
+    Examples:
+        >>> from kp_attention import backend
+        >>> backend.forget()
+        >>> backend.decided()
+        {}
+    """
     _DECIDED.clear()

@@ -99,7 +99,22 @@ def flash_attn_func(
     deterministic=False,
     return_attn_probs=False,
 ):
-    """q (batch, seqlen_q, heads, headdim), k and v (batch, seqlen_k, heads_k, headdim)."""
+    """q (batch, seqlen_q, heads, headdim), k and v (batch, seqlen_k, heads_k, headdim).
+
+    float16, bfloat16 or float32, one dtype and device; heads a multiple of heads_k; headdim up to 256. Returns
+    out (batch, seqlen_q, heads, headdim) in q's dtype, or with return_attn_probs (out, softmax_lse (batch, heads,
+    seqlen_q) float32, S_dmask) (see the module docstring).
+
+    Examples:
+        >>> import torch
+        >>> import kp_attention.flash_attn as flash_attn
+        >>> q, k, v = torch.randn(2, 64, 8, 32), torch.randn(2, 64, 2, 32), torch.randn(2, 64, 2, 32)
+        >>> flash_attn.flash_attn_func(q, k, v, causal=True).shape
+        torch.Size([2, 64, 8, 32])
+        >>> out, lse, s_dmask = flash_attn.flash_attn_func(q, k, v, return_attn_probs=True)
+        >>> lse.shape, s_dmask is None  # no dropout: no S_dmask, as FlashAttention's
+        (torch.Size([2, 8, 64]), True)
+    """
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     return _dense("flash_attn_func", q, k, v, *args)
 
@@ -116,7 +131,17 @@ def flash_attn_kvpacked_func(
     deterministic=False,
     return_attn_probs=False,
 ):
-    """q (batch, seqlen_q, heads, headdim), kv (batch, seqlen_k, 2, heads_k, headdim)."""
+    """q (batch, seqlen_q, heads, headdim), kv (batch, seqlen_k, 2, heads_k, headdim).
+
+    Dtypes, heads and the result as in flash_attn_func; k and v are read as views of kv.
+
+    Examples:
+        >>> import torch
+        >>> import kp_attention.flash_attn as flash_attn
+        >>> q, kv = torch.randn(2, 64, 8, 32), torch.randn(2, 64, 2, 2, 32)
+        >>> flash_attn.flash_attn_kvpacked_func(q, kv, causal=True).shape
+        torch.Size([2, 64, 8, 32])
+    """
     _packed("flash_attn_kvpacked_func", "kv", kv, 5, 2)
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     return _dense("flash_attn_kvpacked_func", q, kv[:, :, 0], kv[:, :, 1], *args)
@@ -133,7 +158,19 @@ def flash_attn_qkvpacked_func(
     deterministic=False,
     return_attn_probs=False,
 ):
-    """qkv (batch, seqlen, 3, heads, headdim)."""
+    """qkv (batch, seqlen, 3, heads, headdim).
+
+    Dtypes and the result as in flash_attn_func; q, k and v are read as views of qkv, and their gradients reach it.
+
+    Examples:
+        >>> import torch
+        >>> import kp_attention.flash_attn as flash_attn
+        >>> qkv = torch.randn(2, 64, 3, 4, 32, requires_grad=True)
+        >>> out = flash_attn.flash_attn_qkvpacked_func(qkv, causal=True)
+        >>> out.sum().backward()
+        >>> out.shape, qkv.grad.shape
+        (torch.Size([2, 64, 4, 32]), torch.Size([2, 64, 3, 4, 32]))
+    """
     _packed("flash_attn_qkvpacked_func", "qkv", qkv, 5, 3)
     q, k, v = qkv.unbind(2)
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
@@ -209,7 +246,20 @@ def flash_attn_varlen_func(
     return_attn_probs=False,
     block_table=None,
 ):
-    """Packed q (total_q, heads, headdim), k and v (total_k, heads_k, headdim); cu_seqlens int32 (batch + 1,)."""
+    """Packed q (total_q, heads, headdim), k and v (total_k, heads_k, headdim); cu_seqlens int32 (batch + 1,).
+
+    float16, bfloat16 or float32; sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]. block_table (int32, batch x
+    pages) reads k and v as a paged cache (num_blocks, page, heads_k, headdim), forward only. Returns out
+    (total_q, heads, headdim), or with return_attn_probs (out, softmax_lse (heads, total_q), S_dmask).
+
+    Examples:
+        >>> import torch
+        >>> import kp_attention.flash_attn as flash_attn
+        >>> q, k, v = torch.randn(16, 4, 32), torch.randn(16, 4, 32), torch.randn(16, 4, 32)
+        >>> cu = torch.tensor([0, 5, 16], dtype=torch.int32)  # two sequences: 5 and 11 tokens
+        >>> flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True).shape
+        torch.Size([16, 4, 32])
+    """
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     cu = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _varlen("flash_attn_varlen_func", q, k, v, *cu, *args, block_table)
@@ -231,7 +281,18 @@ def flash_attn_varlen_kvpacked_func(
     deterministic=False,
     return_attn_probs=False,
 ):
-    """q (total_q, heads, headdim), kv (total_k, 2, heads_k, headdim)."""
+    """q (total_q, heads, headdim), kv (total_k, 2, heads_k, headdim).
+
+    Dtypes, cu_seqlens and the result as in flash_attn_varlen_func; k and v are read as views of kv.
+
+    Examples:
+        >>> import torch
+        >>> import kp_attention.flash_attn as flash_attn
+        >>> q, kv = torch.randn(16, 4, 32), torch.randn(16, 2, 4, 32)
+        >>> cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+        >>> flash_attn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 11, 11).shape
+        torch.Size([16, 4, 32])
+    """
     fn = "flash_attn_varlen_kvpacked_func"
     _packed(fn, "kv", kv, 4, 2)
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
@@ -251,7 +312,18 @@ def flash_attn_varlen_qkvpacked_func(
     deterministic=False,
     return_attn_probs=False,
 ):
-    """qkv (total, 3, heads, headdim); one cu_seqlens and max_seqlen for queries and keys."""
+    """qkv (total, 3, heads, headdim); one cu_seqlens and max_seqlen for queries and keys.
+
+    Dtypes and the result as in flash_attn_varlen_func; q, k and v are read as views of qkv.
+
+    Examples:
+        >>> import torch
+        >>> import kp_attention.flash_attn as flash_attn
+        >>> qkv = torch.randn(16, 3, 4, 32)
+        >>> cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+        >>> flash_attn.flash_attn_varlen_qkvpacked_func(qkv, cu, 11, causal=True).shape
+        torch.Size([16, 4, 32])
+    """
     fn = "flash_attn_varlen_qkvpacked_func"
     _packed(fn, "qkv", qkv, 4, 3)
     q, k, v = qkv.unbind(1)
@@ -344,7 +416,25 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
 ):
     """FlashAttention's incremental decoding call (inference only): k and v, when given, are written into the cache
-    in place at cache_seqlens (which is not changed) before attending; see the module docstring."""
+    in place at cache_seqlens (which is not changed) before attending; see the module docstring.
+
+    q (batch, seqlen_q, heads, headdim); k_cache / v_cache (batch_cache, seqlen_cache, heads_k, headdim), or paged
+    (num_blocks, page, heads_k, headdim) with block_table int32 (batch, pages); k / v (batch, seqlen_new, heads_k,
+    headdim), all float16, bfloat16 or float32 alike; cache_seqlens an int or int32 (batch,); rotary_cos /
+    rotary_sin (seqlen_ro, rotary_dim / 2), a float dtype. Note causal defaults to False, as in FlashAttention.
+    Returns out (batch, seqlen_q, heads, headdim), and with return_softmax_lse also the lse (batch, heads,
+    seqlen_q) float32.
+
+    Examples:
+        >>> import torch
+        >>> import kp_attention.flash_attn as flash_attn
+        >>> k_cache, v_cache = torch.zeros(2, 64, 2, 32), torch.zeros(2, 64, 2, 32)
+        >>> q, k, v = torch.randn(2, 1, 4, 32), torch.randn(2, 1, 2, 32), torch.randn(2, 1, 2, 32)
+        >>> lengths = torch.tensor([5, 9], dtype=torch.int32)
+        >>> out = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+        >>> out.shape, torch.equal(v_cache[0, 5], v[0, 0])
+        (torch.Size([2, 1, 4, 32]), True)
+    """
     if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor):
         raise TypeError(f"kp_attention.flash_attn.{KV_FN}: q and k_cache must be tensors")
     window_size = attention.window_pair(window_size)

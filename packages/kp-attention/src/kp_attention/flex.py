@@ -44,7 +44,26 @@ class BlockMask:
     kv_num_blocks (B', H', q blocks) int32 and kv_indices (B', H', q blocks, kv blocks) int32 list each query
     block's partial key blocks (mask_mod evaluated there); full_kv_* the blocks mask_mod keeps whole; q_* and
     full_q_* the same by key block (the backward's order). B' and H' are 1 where the mask does not depend on
-    the batch or head (broadcast)."""
+    the batch or head (broadcast).
+
+    Made by `create_block_mask` or `BlockMask.from_kv_blocks`; `seq_lengths` is (Q_LEN, KV_LEN), `BLOCK_SIZE` the
+    (query, key) block sizes, `mask_mod` the function partial blocks evaluate.
+
+    Examples:
+        >>> import torch
+        >>> from kp_attention.flex import BlockMask, create_block_mask
+        >>> def causal(b, h, q_idx, kv_idx):
+        ...     return q_idx >= kv_idx
+        >>> mask = create_block_mask(causal, None, None, 256, 256, device="cpu")
+        >>> mask
+        BlockMask(shape=(1, 1, 256, 256), BLOCK_SIZE=(128, 128), sparsity=25.00%, mask_mod=causal)
+        >>> mask.to_dense()[0, 0]
+        tensor([[1, 0],
+                [1, 1]], dtype=torch.int32)
+        >>> num, idx = torch.tensor([[[1, 2]]]), torch.tensor([[[[0, 0], [0, 1]]]])  # query block 1: key blocks 0, 1
+        >>> BlockMask.from_kv_blocks(num, idx, mask_mod=causal).shape
+        (1, 1, 256, 256)
+    """
 
     seq_lengths: tuple
     kv_num_blocks: torch.Tensor
@@ -134,12 +153,32 @@ class BlockMask:
 
 
 def noop_mask(b, h, q_idx, kv_idx):
-    """Keeps everything."""
+    """Keeps everything: the mask_mod of a block mask that hides nothing.
+
+    Examples:
+        >>> import torch
+        >>> from kp_attention.flex import noop_mask
+        >>> noop_mask(0, 0, torch.tensor(3), torch.tensor(7))
+        tensor(True)
+    """
     return q_idx >= 0
 
 
 def and_masks(*mask_mods: Callable) -> Callable:
-    """A mask_mod keeping what every one of mask_mods keeps."""
+    """A mask_mod keeping what every one of mask_mods keeps.
+
+    Examples:
+        >>> import torch
+        >>> from kp_attention.flex import and_masks
+        >>> def causal(b, h, q_idx, kv_idx):
+        ...     return q_idx >= kv_idx
+        >>> def recent(b, h, q_idx, kv_idx):
+        ...     return q_idx - kv_idx < 4
+        >>> sliding = and_masks(causal, recent)
+        >>> sliding(0, 0, torch.tensor(10), torch.arange(12))
+        tensor([False, False, False, False, False, False, False,  True,  True,  True,
+                 True, False])
+    """
     if not all(callable(m) for m in mask_mods):
         raise TypeError("and_masks: every argument must be a mask_mod function")
 
@@ -153,7 +192,18 @@ def and_masks(*mask_mods: Callable) -> Callable:
 
 
 def or_masks(*mask_mods: Callable) -> Callable:
-    """A mask_mod keeping what any one of mask_mods keeps."""
+    """A mask_mod keeping what any one of mask_mods keeps.
+
+    Examples:
+        >>> import torch
+        >>> from kp_attention.flex import or_masks
+        >>> def causal(b, h, q_idx, kv_idx):
+        ...     return q_idx >= kv_idx
+        >>> def first_token(b, h, q_idx, kv_idx):
+        ...     return kv_idx == 0
+        >>> or_masks(causal, first_token)(0, 0, torch.tensor(1), torch.arange(4))
+        tensor([ True,  True, False, False])
+    """
     if not all(callable(m) for m in mask_mods):
         raise TypeError("or_masks: every argument must be a mask_mod function")
 
@@ -238,7 +288,25 @@ def create_block_mask(
     _compile: bool = False,
 ) -> BlockMask:
     """FlexAttention's create_block_mask: the blocks mask_mod(b, h, q_idx, kv_idx) keeps, classified on the
-    device by one kernel (B or H None: the mask does not depend on it). `_compile` is accepted and unused."""
+    device by one kernel (B or H None: the mask does not depend on it). `_compile` is accepted and unused.
+
+    Args:
+        mask_mod: (b, h, q_idx, kv_idx) -> a bool tensor (see the module docstring for what it may use).
+        B: the batch size, or None.
+        H: the number of query heads, or None.
+        Q_LEN: the query length.
+        KV_LEN: the key length.
+        device: where the block lists are made (the attention's device).
+        BLOCK_SIZE: an int or a (query, key) pair.
+
+    Examples:
+        >>> from kp_attention.flex import create_block_mask
+        >>> def causal(b, h, q_idx, kv_idx):
+        ...     return q_idx >= kv_idx
+        >>> mask = create_block_mask(causal, None, None, 512, 512, device="cpu")
+        >>> mask.shape, mask.kv_num_blocks.dtype
+        ((1, 1, 512, 512), torch.int32)
+    """
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask: mask_mod must be a function (b, h, q_idx, kv_idx), got {mask_mod!r}")
     batch, heads = _positive("B", B, True), _positive("H", H, True)
@@ -342,7 +410,33 @@ def flex_attention(
     """FlexAttention's flex_attention on (B, H, S, D) query, key, value: softmax(score_mod(scale * q k^T) masked by
     block_mask) @ v, and with return_lse the fp32 (B, H, Sq) log-sum-exp. dropout_p drops probabilities as
     FlashAttention does (pass 0.0 in evaluation). kernel_options (FlexAttention's tuning knobs) is accepted and
-    not used: kp picks its tiles itself. Rows that see no key give 0 (lse -inf)."""
+    not used: kp picks its tiles itself. Rows that see no key give 0 (lse -inf).
+
+    Args:
+        query: (B, Hq, Sq, D), float16, bfloat16 or float32, D up to 256.
+        key: (B, Hkv, Sk, D), query's dtype and device; Hkv = Hq, or a divisor of it with enable_gqa=True.
+        value: key's shape.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the new score, or None.
+        block_mask: a BlockMask for (Sq, Sk) on query's device, or None (every block visited).
+        scale: defaults to 1 / sqrt(D).
+
+    Returns:
+        out (B, Hq, Sq, D) in query's dtype; with return_lse also lse (B, Hq, Sq) float32.
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from kp_attention.flex import create_block_mask, flex_attention
+        >>> def causal(b, h, q_idx, kv_idx):
+        ...     return q_idx >= kv_idx
+        >>> q, k, v = torch.randn(1, 2, 256, 32), torch.randn(1, 2, 256, 32), torch.randn(1, 2, 256, 32)
+        >>> mask = create_block_mask(causal, None, None, 256, 256, device="cpu")
+        >>> out = flex_attention(q, k, v, block_mask=mask)
+        >>> torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
+        True
+        >>> bias = torch.randn(2)  # one per head: read inside the kernel
+        >>> out = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h], block_mask=mask)
+    """
     _check(query, key, value, block_mask, scale, enable_gqa, dropout_p)
     if kernel_options is not None and not isinstance(kernel_options, dict):
         raise TypeError(f"flex_attention: kernel_options must be a dict or None, got {type(kernel_options).__name__}")

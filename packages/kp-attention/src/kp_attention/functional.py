@@ -16,7 +16,7 @@ from kp_attention.ops import dropout
 from kp_attention.ops.attention import DTYPES, FLASH, FLASH_VARLEN, MAX_HEAD_DIM, Params, default_scale, window_pair
 from kp_attention.ops.decode import KVCACHE, PAGE_MULTIPLE
 
-KV_OP = "kp_attention.flash_attention_with_kvcache"
+KV_FN = "kp_attention.flash_attention_with_kvcache"
 
 
 def _is_int(x) -> bool:
@@ -133,6 +133,17 @@ def flash_attention(
     backend: "auto" (PyTorch's fused SDPA where it can stand for the call and was measured faster for its
     signature, once; kp's kernel otherwise), "kp" (kp's kernel) or "torch" (PyTorch's where it can stand for the
     call): kp_attention.backend.
+
+    Examples:
+        >>> import torch
+        >>> import kp_attention
+        >>> q = torch.randn(2, 128, 8, 64)  # (B, Sq, Hq, D)
+        >>> k, v = torch.randn(2, 128, 2, 64), torch.randn(2, 128, 2, 64)  # GQA: 2 kv heads
+        >>> out, lse = kp_attention.flash_attention(q, k, v, causal=True, return_lse=True)
+        >>> out.shape, lse.shape, lse.dtype
+        (torch.Size([2, 128, 8, 64]), torch.Size([2, 8, 128]), torch.float32)
+        >>> kp_attention.flash_attention(q, k, v, window=(32, 0), softcap=50.0).shape
+        torch.Size([2, 128, 8, 64])
     """
     op = "kp_attention.flash_attention"
     backends.check(op, backend)
@@ -193,6 +204,17 @@ def flash_attention_varlen(
     multiple of 16; key j of sequence b is slot j % page of page block_table[b, j // page] (cu_seqlens_k still
     gives the lengths). Forward only, as FlashAttention's (NotImplementedError when a gradient is wanted); the
     page ids in use are checked with cu_seqlens' values.
+
+    Examples:
+        Two sequences of 5 and 11 tokens packed into 16 rows:
+
+        >>> import torch
+        >>> import kp_attention
+        >>> q, k, v = torch.randn(16, 4, 32), torch.randn(16, 4, 32), torch.randn(16, 4, 32)
+        >>> cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+        >>> out, lse = kp_attention.flash_attention_varlen(q, k, v, cu, cu, 11, 11, causal=True, return_lse=True)
+        >>> out.shape, lse.shape
+        (torch.Size([16, 4, 32]), torch.Size([4, 16]))
     """
     op = "kp_attention.flash_attention_varlen"
     paged = block_table is not None
@@ -277,7 +299,19 @@ def scaled_dot_product_attention(
     added, as Hugging Face's eager attention does for Gemma 2.
     backend (keyword only): "auto" (torch's own fused SDPA on this call where it can stand for it, no mask, dropout
     or softcap, and was measured faster for its signature; kp's kernel otherwise), "kp" or "torch", as in
-    flash_attention.
+    flash_attention. query, key and value: float16, bfloat16 or float32, one dtype and device; head dims up to 256.
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> import kp_attention
+        >>> q, k, v = torch.randn(2, 8, 128, 64), torch.randn(2, 8, 128, 64), torch.randn(2, 8, 128, 64)
+        >>> out = kp_attention.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5)
+        True
+        >>> mask = torch.rand(128, 128) > 0.2  # True: attend
+        >>> kp_attention.scaled_dot_product_attention(q, k, v, attn_mask=mask, softcap=30.0).shape
+        torch.Size([2, 8, 128, 64])
     """
     op = "kp_attention.scaled_dot_product_attention"
     backends.check(op, backend)
@@ -390,28 +424,28 @@ def _sdpa_layout(op: str, query, key, value, enable_gqa: bool):
 
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits):
     """The capacity (keys a sequence can hold) and the number of new tokens."""
-    kp_core.check_tensor(KV_OP, "q", q, dtypes=DTYPES, ndim=4)
-    kp_core.check_tensor(KV_OP, "k_cache", k_cache, dtypes=DTYPES, ndim=4)
-    kp_core.check_tensor(KV_OP, "v_cache", v_cache, dtypes=DTYPES, ndim=4)
-    kp_core.check_same_dtype(KV_OP, "k_cache", k_cache, q, "q")
-    kp_core.check_same_dtype(KV_OP, "v_cache", v_cache, q, "q")
+    kp_core.check_tensor(KV_FN, "q", q, dtypes=DTYPES, ndim=4)
+    kp_core.check_tensor(KV_FN, "k_cache", k_cache, dtypes=DTYPES, ndim=4)
+    kp_core.check_tensor(KV_FN, "v_cache", v_cache, dtypes=DTYPES, ndim=4)
+    kp_core.check_same_dtype(KV_FN, "k_cache", k_cache, q, "q")
+    kp_core.check_same_dtype(KV_FN, "v_cache", v_cache, q, "q")
     if (k is None) != (v is None):
         raise ValueError(
-            f"{KV_OP}: k and v (the new tokens) must be given together, got only {'k' if v is None else 'v'}"
+            f"{KV_FN}: k and v (the new tokens) must be given together, got only {'k' if v is None else 'v'}"
         )
     if k is not None:
-        kp_core.check_tensor(KV_OP, "k", k, dtypes=DTYPES, ndim=4)
-        kp_core.check_tensor(KV_OP, "v", v, dtypes=DTYPES, ndim=4)
-        kp_core.check_same_dtype(KV_OP, "k", k, q, "q")
-        kp_core.check_same_dtype(KV_OP, "v", v, q, "q")
+        kp_core.check_tensor(KV_FN, "k", k, dtypes=DTYPES, ndim=4)
+        kp_core.check_tensor(KV_FN, "v", v, dtypes=DTYPES, ndim=4)
+        kp_core.check_same_dtype(KV_FN, "k", k, q, "q")
+        kp_core.check_same_dtype(KV_FN, "v", v, q, "q")
     if block_table is not None:
-        kp_core.check_tensor(KV_OP, "block_table", block_table, dtypes=(torch.int32,), ndim=2)
+        kp_core.check_tensor(KV_FN, "block_table", block_table, dtypes=(torch.int32,), ndim=2)
     if isinstance(cache_seqlens, torch.Tensor):
-        kp_core.check_tensor(KV_OP, "cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
+        kp_core.check_tensor(KV_FN, "cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
     elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
-        raise TypeError(f"{KV_OP}: cache_seqlens must be an int32 tensor or an int, got {type(cache_seqlens).__name__}")
+        raise TypeError(f"{KV_FN}: cache_seqlens must be an int32 tensor or an int, got {type(cache_seqlens).__name__}")
     kp_core.check_same_device(
-        KV_OP,
+        KV_FN,
         q=q,
         k_cache=k_cache,
         v_cache=v_cache,
@@ -425,46 +459,46 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window
     _, page, hkv, d_k = k_cache.shape
     if d_k != d:
         raise ValueError(
-            f"{KV_OP}: k_cache head dim must equal q's ({d}), got {d_k} (k_cache shape {tuple(k_cache.shape)})"
+            f"{KV_FN}: k_cache head dim must equal q's ({d}), got {d_k} (k_cache shape {tuple(k_cache.shape)})"
         )
     if d > MAX_HEAD_DIM:
-        raise ValueError(f"{KV_OP}: head dim must be at most {MAX_HEAD_DIM}, got {d}")
-    kp_core.check_shape(KV_OP, "v_cache", v_cache, k_cache.shape)
+        raise ValueError(f"{KV_FN}: head dim must be at most {MAX_HEAD_DIM}, got {d}")
+    kp_core.check_shape(KV_FN, "v_cache", v_cache, k_cache.shape)
     if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"{KV_OP}: q heads ({hq}) must be a multiple of k_cache heads ({hkv})")
+        raise ValueError(f"{KV_FN}: q heads ({hq}) must be a multiple of k_cache heads ({hkv})")
     if block_table is None:
         if k_cache.shape[0] != batch:
-            raise ValueError(f"{KV_OP}: k_cache batch ({k_cache.shape[0]}) must equal q's batch ({batch})")
+            raise ValueError(f"{KV_FN}: k_cache batch ({k_cache.shape[0]}) must equal q's batch ({batch})")
         capacity = page
     else:
         if block_table.shape[0] != batch:
-            raise ValueError(f"{KV_OP}: block_table batch ({block_table.shape[0]}) must equal q's batch ({batch})")
+            raise ValueError(f"{KV_FN}: block_table batch ({block_table.shape[0]}) must equal q's batch ({batch})")
         if page % PAGE_MULTIPLE != 0 and block_table.shape[1] > 1:
             raise ValueError(
-                f"{KV_OP}: paged k_cache block_size (dim 1) must be a multiple of {PAGE_MULTIPLE} where block_table "
+                f"{KV_FN}: paged k_cache block_size (dim 1) must be a multiple of {PAGE_MULTIPLE} where block_table "
                 f"has more than one page per sequence, got {page}"
             )
         capacity = block_table.shape[1] * page
     if isinstance(cache_seqlens, torch.Tensor):
-        kp_core.check_shape(KV_OP, "cache_seqlens", cache_seqlens, (batch,))
+        kp_core.check_shape(KV_FN, "cache_seqlens", cache_seqlens, (batch,))
     new = 0
     if k is not None:
         new = k.shape[1]
-        kp_core.check_shape(KV_OP, "k", k, (batch, new, hkv, d))
-        kp_core.check_shape(KV_OP, "v", v, (batch, new, hkv, d))
-        kp_core.check_no_overlap(KV_OP, "k_cache", k_cache, "v_cache", v_cache)  # both get the new tokens
+        kp_core.check_shape(KV_FN, "k", k, (batch, new, hkv, d))
+        kp_core.check_shape(KV_FN, "v", v, (batch, new, hkv, d))
+        kp_core.check_no_overlap(KV_FN, "k_cache", k_cache, "v_cache", v_cache)  # both get the new tokens
     if not isinstance(cache_seqlens, torch.Tensor) and not 0 <= cache_seqlens <= capacity - new:
         raise ValueError(
-            f"{KV_OP}: cache_seqlens ({cache_seqlens}) plus new tokens ({new}) must lie in [0, {capacity}] (the cache)"
+            f"{KV_FN}: cache_seqlens ({cache_seqlens}) plus new tokens ({new}) must lie in [0, {capacity}] (the cache)"
         )
     if not (isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) for w in window)):
-        raise TypeError(f"{KV_OP}: window must be a pair of ints (left, right), got {window!r}")
+        raise TypeError(f"{KV_FN}: window must be a pair of ints (left, right), got {window!r}")
     if min(window) < -1:
-        raise ValueError(f"{KV_OP}: window sizes must be >= -1 (-1: unbounded), got {tuple(window)}")
+        raise ValueError(f"{KV_FN}: window sizes must be >= -1 (-1: unbounded), got {tuple(window)}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
-        raise ValueError(f"{KV_OP}: softcap must be a float >= 0 (0: off), got {softcap!r}")
+        raise ValueError(f"{KV_FN}: softcap must be a float >= 0 (0: off), got {softcap!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"{KV_OP}: num_splits must be an int >= 0 (0: auto), got {num_splits!r}")
+        raise ValueError(f"{KV_FN}: num_splits must be an int >= 0 (0: auto), got {num_splits!r}")
     return capacity, new
 
 
@@ -502,14 +536,27 @@ def flash_attention_with_kvcache(
     num_splits: key-length splits
     (flash-decoding), 0 = chosen from the GPU's SM count. Returns out (B, Sq, Hq, D) in q's dtype, and
     with return_lse the fp32 log-sum-exp (B, Hq, Sq). Rows that see no key give 0 (lse -inf).
+    q, the caches and k / v: float16, bfloat16 or float32, one dtype and device.
+
+    Examples:
+        One decoding step: each sequence's new token goes into the cache at its length, then attends to it all.
+
+        >>> import torch
+        >>> import kp_attention
+        >>> k_cache, v_cache = torch.zeros(2, 64, 2, 32), torch.zeros(2, 64, 2, 32)  # (B, S_max, Hkv, D)
+        >>> lengths = torch.tensor([5, 9], dtype=torch.int32)
+        >>> q, k, v = torch.randn(2, 1, 4, 32), torch.randn(2, 1, 2, 32), torch.randn(2, 1, 2, 32)
+        >>> out = kp_attention.flash_attention_with_kvcache(q, k_cache, v_cache, lengths, k=k, v=v)
+        >>> out.shape, torch.equal(k_cache[1, 9], k[1, 0])
+        (torch.Size([2, 1, 4, 32]), True)
     """
     window = window_pair(window)
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits)
-    _check_alibi(KV_OP, alibi_slopes, q.shape[0], q.shape[2], q)
+    _check_alibi(KV_FN, alibi_slopes, q.shape[0], q.shape[2], q)
     if cache_leftpad is not None:
-        kp_core.check_tensor(KV_OP, "cache_leftpad", cache_leftpad, dtypes=(torch.int32,), ndim=1)
-        kp_core.check_same_device(KV_OP, q=q, cache_leftpad=cache_leftpad)
-        kp_core.check_shape(KV_OP, "cache_leftpad", cache_leftpad, (q.shape[0],))
+        kp_core.check_tensor(KV_FN, "cache_leftpad", cache_leftpad, dtypes=(torch.int32,), ndim=1)
+        kp_core.check_same_device(KV_FN, q=q, cache_leftpad=cache_leftpad)
+        kp_core.check_shape(KV_FN, "cache_leftpad", cache_leftpad, (q.shape[0],))
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)

@@ -69,7 +69,13 @@ def kp_attention_forward(
 
 def register() -> str:
     """Register kp's attention function (and the SDPA mask builder) with transformers under the name "kp", without
-    switching any model to it (`patch` does both); returns the name. Imports transformers."""
+    switching any model to it (`patch` does both); returns the name. Imports transformers.
+
+    Examples:
+        >>> import kp_attention
+        >>> kp_attention.register()  # then model.set_attn_implementation("kp") picks it
+        'kp'
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -81,7 +87,27 @@ def register() -> str:
 def patch(model: nn.Module, backend: str = "auto") -> str:
     """Switch a transformers model (Llama family and any model using the attention registry) to kp's attention.
     backend: what its mask-free calls run (kp_attention.backend: "kp", "torch" or "auto"). Returns the
-    implementation it replaced (e.g. "sdpa"); `unpatch` restores it."""
+    implementation it replaced (e.g. "sdpa"); `unpatch` restores it. The model's attention then takes its
+    query (B, Hq, Sq, D) and key / value (B, Hkv, Sk, D) in float16, bfloat16 or float32.
+
+    Examples:
+        >>> import torch
+        >>> import transformers
+        >>> import kp_attention
+        >>> config = transformers.LlamaConfig(
+        ...     hidden_size=64,
+        ...     intermediate_size=128,
+        ...     num_hidden_layers=2,
+        ...     num_attention_heads=4,
+        ...     num_key_value_heads=2,
+        ...     vocab_size=128,
+        ... )
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> kp_attention.patch(model), model.config._attn_implementation
+        ('sdpa', 'kp')
+        >>> model(torch.randint(0, 128, (1, 16))).logits.shape
+        torch.Size([1, 16, 128])
+    """
     if not isinstance(model, nn.Module) or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"kp_attention.patch: model must be a transformers PreTrainedModel, got {type(model).__name__}")
     from kp_attention import backend as backends
@@ -97,7 +123,28 @@ def patch(model: nn.Module, backend: str = "auto") -> str:
 
 
 def unpatch(model: nn.Module) -> str | None:
-    """Restore the attention implementation `patch` replaced; returns it (None when the model was not patched)."""
+    """Restore the attention implementation `patch` replaced; returns it (None when the model was not patched).
+
+    Examples:
+        >>> import torch
+        >>> import transformers
+        >>> import kp_attention
+        >>> config = transformers.LlamaConfig(
+        ...     hidden_size=64,
+        ...     intermediate_size=128,
+        ...     num_hidden_layers=2,
+        ...     num_attention_heads=4,
+        ...     num_key_value_heads=2,
+        ...     vocab_size=128,
+        ... )
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> kp_attention.patch(model)
+        'sdpa'
+        >>> kp_attention.unpatch(model), model.config._attn_implementation
+        ('sdpa', 'sdpa')
+        >>> kp_attention.unpatch(model) is None  # not patched any more
+        True
+    """
     kp_core.check_module("kp_attention.unpatch", "model", model)
     previous = getattr(model, _PREVIOUS, None)
     if hasattr(model.config, BACKEND_ATTR):

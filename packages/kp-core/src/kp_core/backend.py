@@ -8,14 +8,23 @@ import os
 import torch
 
 TRITON = "triton"
+"""The backend name of compiled Triton kernels on a GPU (what `choose_backend` returns for CUDA tensors)."""
 INTERPRET = "interpret"
+"""The backend name of Triton kernels run by Triton's interpreter (TRITON_INTERPRET=1, any device)."""
 REFERENCE = "reference"
+"""The backend name of the PyTorch reference path: no kernel runs."""
 _FORCE_CHOICES = ("auto", REFERENCE, TRITON)
 
 
 @functools.lru_cache(maxsize=1)
 def has_triton() -> bool:
-    """Whether Triton imports here (cached)."""
+    """Whether Triton imports here (cached).
+
+    Examples:
+        >>> import kp_core
+        >>> kp_core.has_triton()  # with Triton installed
+        True
+    """
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -24,13 +33,25 @@ def has_triton() -> bool:
 
 
 def interpreter_enabled() -> bool:
-    """Whether TRITON_INTERPRET=1 is set now."""
+    """Whether TRITON_INTERPRET=1 is set now.
+
+    Examples:
+        >>> import kp_core
+        >>> kp_core.interpreter_enabled()  # TRITON_INTERPRET unset
+        False
+    """
     # Triton reads this when a kernel is decorated, so it must be set before the kernel modules import.
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def forced_backend() -> str:
-    """KP_BACKEND's value ("auto", "reference" or "triton"); any other value is a ValueError."""
+    """KP_BACKEND's value ("auto", "reference" or "triton"); any other value is a ValueError.
+
+    Examples:
+        >>> import kp_core
+        >>> kp_core.forced_backend()  # KP_BACKEND unset
+        'auto'
+    """
     value = os.environ.get("KP_BACKEND", "auto").strip().lower() or "auto"
     if value not in _FORCE_CHOICES:
         raise ValueError(f"KP_BACKEND must be one of {_FORCE_CHOICES}, got {value!r}")
@@ -52,7 +73,22 @@ def _env_set() -> bool:
 
 def choose_backend(op: str, *tensors: torch.Tensor) -> str:
     """Pick the path for one call from the first tensor's device and the environment (read on every call, so
-    tests and debugging sessions may change it; two dictionary lookups when neither variable is set)."""
+    tests and debugging sessions may change it; two dictionary lookups when neither variable is set).
+
+    Returns TRITON for CUDA tensors where Triton is installed, INTERPRET under TRITON_INTERPRET=1 (any device),
+    REFERENCE otherwise or under KP_BACKEND=reference; KP_BACKEND=triton makes the REFERENCE case a
+    RuntimeError naming `op`.
+
+    Args:
+        op: the op's name, for the error message.
+        *tensors: the call's tensors (any shape and dtype); the first one's device decides.
+
+    Examples:
+        >>> import torch
+        >>> import kp_core
+        >>> kp_core.choose_backend("my_op", torch.ones(4))  # a CPU tensor, KP_BACKEND and TRITON_INTERPRET unset
+        'reference'
+    """
     if not _env_set():
         return TRITON if tensors[0].is_cuda and has_triton() else REFERENCE
     env = os.environ

@@ -27,6 +27,19 @@ from kp_core.backend import INTERPRET, REFERENCE
 
 @dataclass(frozen=True)
 class Launch:
+    """One kernel launch (or reference path) as `record_launches` records it.
+
+    Attributes:
+        op: the declared op's name ("kp::norm").
+        kernel: the kernel function's name, or "reference".
+        backend: "triton", "interpret" or "reference" (kp_core.TRITON, INTERPRET, REFERENCE).
+
+    Examples:
+        >>> import kp_core
+        >>> kp_core.Launch("kp::norm", "reference", kp_core.REFERENCE)
+        Launch(op='kp::norm', kernel='reference', backend='reference')
+    """
+
     op: str
     kernel: str
     backend: str
@@ -34,9 +47,25 @@ class Launch:
 
 @dataclass
 class LaunchRecord:
+    """What `record_launches` yields: the launches made inside its block, in order, with counts and sets of them.
+
+    Attributes:
+        launches: every Launch, in the order made.
+
+    Examples:
+        >>> import torch
+        >>> import kp_core
+        >>> import kp_norms
+        >>> with kp_core.record_launches() as record:
+        ...     y = kp_norms.rms_norm(torch.randn(4, 64), (64,))
+        >>> record.count("kp::norm"), record.backends()  # CPU tensors, TRITON_INTERPRET unset
+        (1, {'reference'})
+    """
+
     launches: list[Launch] = field(default_factory=list)
 
     def count(self, op: str | None = None, backend: str | None = None, kernel: str | None = None) -> int:
+        """How many launches match every filter given (op, backend, kernel name)."""
         return sum(
             1
             for launch in self.launches
@@ -46,9 +75,11 @@ class LaunchRecord:
         )
 
     def backends(self, op: str | None = None) -> set[str]:
+        """The backends `op` (or any op) ran on."""
         return {launch.backend for launch in self.launches if op is None or launch.op == op}
 
     def kernels(self, op: str | None = None) -> set[str]:
+        """The kernel names `op` (or any op) launched ("reference" for the reference path)."""
         return {launch.kernel for launch in self.launches if op is None or launch.op == op}
 
 
@@ -107,7 +138,16 @@ def _name(kernel) -> str:
 
 
 def note_launch(op: str, kernel: str, backend: str) -> None:
-    """Called for every launch (and every reference path, with backend="reference")."""
+    """Called for every launch (and every reference path, with backend="reference"): adds a Launch to every
+    record open now. `launch` and `reference` call it; a launcher that starts a kernel another way calls it itself.
+
+    Examples:
+        >>> import kp_core
+        >>> with kp_core.record_launches() as record:
+        ...     kp_core.note_launch("my_op", "my_kernel", kp_core.TRITON)
+        >>> record.kernels("my_op")
+        {'my_kernel'}
+    """
     if _records:
         launch = Launch(op, kernel, backend)
         with _lock:
@@ -130,7 +170,20 @@ def _no_autograd_cache():
 @contextlib.contextmanager
 def record_launches() -> Iterator[LaunchRecord]:
     """Record every kernel launch (op, kernel, backend; "reference" for a PyTorch reference path) made inside
-    the block, from any thread: `with kp_core.record_launches() as rec: ...; rec.backends("kp::norm")`."""
+    the block, from any thread: `with kp_core.record_launches() as rec: ...; rec.backends("kp::norm")`.
+
+    While a record is open, torch.compile keeps kp's ops as calls into Python (no kernel goes to inductor), so
+    every launch is seen.
+
+    Examples:
+        >>> import torch
+        >>> import kp_core
+        >>> import kp_norms
+        >>> with kp_core.record_launches() as record:
+        ...     y = kp_norms.rms_norm(torch.randn(4, 64), (64,))
+        >>> record.backends("kp::norm")  # CPU tensors without TRITON_INTERPRET=1: the reference path
+        {'reference'}
+    """
     record = LaunchRecord()
     with _lock:
         _records.append(record)
@@ -143,7 +196,16 @@ def record_launches() -> Iterator[LaunchRecord]:
 
 
 def reference(op: str) -> None:
-    """Note that `op` ran its PyTorch reference path (no kernel)."""
+    """Note that `op` ran its PyTorch reference path (no kernel): recorded as kernel "reference", and said once per
+    op on the package's logger (KP_LOG=info shows it).
+
+    Examples:
+        >>> import kp_core
+        >>> with kp_core.record_launches() as record:
+        ...     kp_core.reference("my_op")
+        >>> record.launches
+        [Launch(op='my_op', kernel='reference', backend='reference')]
+    """
     if (op, REFERENCE) not in _FIRST:
         _first(op, "reference", REFERENCE)
     note_launch(op, "reference", REFERENCE)
@@ -177,7 +239,13 @@ def inlining() -> Iterator[None]:
 
 def inlining_active() -> bool:
     """Whether a launcher is being traced into a compiled graph now: its tensors are fake, so nothing about
-    them can be learnt by running a kernel or a library call."""
+    them can be learnt by running a kernel or a library call.
+
+    Examples:
+        >>> import kp_core
+        >>> kp_core.inlining_active()  # in eager code
+        False
+    """
     return _inlining > 0
 
 
@@ -190,7 +258,29 @@ def inline_enabled() -> bool:
 def set_guard(guard) -> object:
     """Install `guard` (None removes it) and return the previous one. A guard has `launch(op, kernel, args,
     consts, go)`, which must call `go(args)` once (with the same or replacement tensors), and `call(name, fn,
-    args, mutated)`, which must return `fn(*args)`; `mutated` are the argument indices the op may write."""
+    args, mutated)`, which must return `fn(*args)`; `mutated` are the argument indices the op may write.
+
+    kp_conformance.guard is one. While a guard is installed, torch.compile keeps kp's ops as calls into Python.
+
+    Examples:
+        >>> import torch
+        >>> import kp_core
+        >>> import kp_norms
+        >>> class CountCalls:
+        ...     calls = []
+        ...
+        ...     def launch(self, op, kernel, args, consts, go):
+        ...         go(args)
+        ...
+        ...     def call(self, name, fn, args, mutated):
+        ...         self.calls.append(name)
+        ...         return fn(*args)
+        >>> previous = kp_core.set_guard(CountCalls())
+        >>> y = kp_norms.rms_norm(torch.randn(2, 8), (8,))
+        >>> guard = kp_core.set_guard(previous)
+        >>> guard.calls
+        ['kp::norm']
+    """
     global _guard
     previous, _guard = _guard, guard
     return previous
@@ -218,7 +308,17 @@ _INTERNED: dict[tuple, int] = {}
 
 class Constexprs(dict):
     """A launch's constexprs made once and reused (a launcher's cached plan): the launch key holds one interned
-    int for them instead of hashing every value per call (Triton's dtypes hash in Python)."""
+    int for them instead of hashing every value per call (Triton's dtypes hash in Python).
+
+    A dict of the keyword arguments given, in their order (the kernel's), plus `key`: the same int for equal
+    values.
+
+    Examples:
+        >>> import kp_core
+        >>> consts = kp_core.Constexprs(BLOCK=1024, ACT=1)
+        >>> consts["BLOCK"], consts.key == kp_core.Constexprs(BLOCK=1024, ACT=1).key
+        (1024, True)
+    """
 
     __slots__ = ("key",)
 
@@ -272,7 +372,36 @@ def launch(
 
     `args` are the runtime arguments in the kernel's order, `consts` its constexprs by name. The constexprs
     must follow the runtime arguments in the kernel's signature (kp's kernels are written that way). `plain`:
-    always through Triton's own launcher, for arguments only it translates (TMA tensor descriptors)."""
+    always through Triton's own launcher, for arguments only it translates (TMA tensor descriptors).
+
+    Args:
+        op: the declared op's name, under which the launch is recorded and logged.
+        backend: the call's backend, from `choose_backend` (TRITON or INTERPRET).
+        kernel: a `@triton.jit` function.
+        grid: the launch grid, 1 to 3 ints.
+        args: the runtime arguments (tensors on the device, ints, floats, None), in the kernel's order.
+        consts: the constexprs by name, in the kernel's order (a dict or a Constexprs).
+        num_warps: warps per program.
+        num_stages: software pipelining stages, or None for Triton's default.
+        plain: always launch through Triton's own launcher.
+
+    Examples:
+        Under TRITON_INTERPRET=1 (set before Python starts) on CPU tensors, or on a GPU with
+        `kp_core.TRITON` and CUDA tensors:
+
+        >>> import torch
+        >>> import triton
+        >>> import triton.language as tl
+        >>> import kp_core
+        >>> @triton.jit
+        ... def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        ...     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ...     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+        >>> x = torch.zeros(100)
+        >>> kp_core.launch("my_op", kp_core.INTERPRET, add_one, (kp_core.cdiv(100, 64),), (x, 100), {"BLOCK": 64})
+        >>> x.sum().item()
+        100.0
+    """
     if _inlining:
         torch.library.wrap_triton(kernel)[grid](*args, **consts, **_options(num_warps, num_stages))
         return

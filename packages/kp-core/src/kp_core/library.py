@@ -55,6 +55,23 @@ from kp_core import backend, launches
 
 @dataclass(frozen=True)
 class KernelInfo:
+    """One op in the registry (`registered_kernels`), as its `kp_core.op` declaration gave it.
+
+    Attributes:
+        name: the op's name ("kp::norm"; its backward is "kp::norm_backward").
+        package: the package that declared it ("kp-norms").
+        spec: the conformance spec that covers it ("norm").
+        dtypes: the dtypes its kernels take.
+        op: the torch.library custom op.
+
+    Examples:
+        >>> import kp_core
+        >>> import kp_norms
+        >>> info = kp_core.registered_kernels()["kp::norm"]
+        >>> info.package, info.spec
+        ('kp-norms', 'norm')
+    """
+
     name: str  # "kp::norm"
     package: str  # "kp-norms"
     spec: str  # conformance spec that covers it, e.g. "norm"
@@ -66,7 +83,16 @@ _REGISTRY: dict[str, KernelInfo] = {}
 
 
 def registered_kernels() -> dict[str, KernelInfo]:
-    """Every op declared with kp_core.op so far, by name ("kp::norm"): its package, conformance spec, dtypes."""
+    """Every op declared with kp_core.op so far, by name ("kp::norm"): its package, conformance spec, dtypes.
+
+    A package's ops are declared when it is imported. The dict is a copy.
+
+    Examples:
+        >>> import kp_core
+        >>> import kp_norms
+        >>> "kp::norm" in kp_core.registered_kernels()
+        True
+    """
     return dict(_REGISTRY)
 
 
@@ -75,7 +101,44 @@ def _is_tensor(annotation) -> bool:
 
 
 class Op:
-    """A declared op (see the module docstring); call it with the forward's arguments."""
+    """A declared op (see the module docstring); call it with the forward's arguments. Made by `kp_core.op`.
+
+    Args:
+        name: "kp::<op>": the custom op's name, and the registry's.
+        forward: the launcher; its annotated signature is the op's schema (tensor arguments annotated with a
+            Tensor type; outputs a tensor or a tuple of tensors, some of which may be None).
+        forward_fake: empty outputs with the forward's shapes, strides and dtypes.
+        package: the declaring package ("kp-norms").
+        spec: the conformance spec that covers the op.
+        dtypes: the dtypes its kernels take.
+        backward: the backward launcher, declared with backward_fake and save (all three or none).
+        backward_fake: empty gradients with the backward's shapes and dtypes.
+        save: (args, outputs) -> the tensors the backward needs.
+        grad_inputs: the forward arguments the backward returns gradients for, in its order.
+        same_grad: input -> another input whose gradient it gets.
+        differentiable_outputs: how many leading outputs carry gradients (all by default).
+        mutates_args: the arguments the forward writes in place.
+        inline: whether torch.compile may trace the launcher into its graph on a GPU.
+
+    Attributes:
+        name: the op's name.
+        op: the `torch.library.custom_op` (called under torch.compile).
+        backward_op: the backward's custom op, or None.
+
+    Examples:
+        >>> import torch
+        >>> import kp_core
+        >>> def forward(x: torch.Tensor) -> torch.Tensor:
+        ...     kp_core.reference("kp::example_twice")  # a launcher would call kp_core.launch on a GPU
+        ...     return x * 2
+        >>> def forward_fake(x: torch.Tensor) -> torch.Tensor:
+        ...     return torch.empty_like(x)
+        >>> TWICE = kp_core.Op(
+        ...     "kp::example_twice", forward, forward_fake, package="my-package", spec="twice", dtypes=(torch.float32,)
+        ... )
+        >>> TWICE(torch.ones(3)), TWICE
+        (tensor([2., 2., 2.]), kp_core.Op('kp::example_twice'))
+    """
 
     def __init__(
         self,
@@ -282,7 +345,20 @@ _APPLY = super(torch.autograd.Function, _Function).apply
 def vjp(fn: Callable, primals: Sequence, cotangents) -> tuple:
     """The gradients of fn(*primals) (a tensor or a tuple of them) against `cotangents`, per primal (None stays
     None): the reference path of a backward. torch.func.vjp rather than torch.autograd.grad, which finds no graph
-    inside a custom op's backward under torch.compile (the dispatcher runs it below autograd)."""
+    inside a custom op's backward under torch.compile (the dispatcher runs it below autograd).
+
+    Args:
+        fn: a function of the primals returning a tensor or a tuple of tensors.
+        primals: its arguments: tensors (any shape and floating dtype) or None.
+        cotangents: the output gradients: a tensor, or a tuple matching fn's outputs (their shapes and dtypes).
+
+    Examples:
+        >>> import torch
+        >>> import kp_core
+        >>> a, b = torch.tensor([2.0]), torch.tensor([3.0])
+        >>> kp_core.vjp(lambda a, b, c: a * b, (a, b, None), torch.tensor([1.0]))
+        (tensor([3.]), tensor([2.]), None)
+    """
     where = [i for i, p in enumerate(primals) if p is not None]
 
     def inner(*present):
@@ -299,5 +375,24 @@ def vjp(fn: Callable, primals: Sequence, cotangents) -> tuple:
 
 
 def op(name: str, forward: Callable, forward_fake: Callable, **declaration) -> Op:
-    """Declare an op; see the module docstring for the contract."""
+    """Declare an op; see the module docstring for the contract. The arguments are `Op`'s.
+
+    Examples:
+        A forward only op (its launcher here runs the reference path; a package's calls `kp_core.launch`):
+
+        >>> import torch
+        >>> import kp_core
+        >>> def forward(x: torch.Tensor, scale: float) -> torch.Tensor:
+        ...     kp_core.reference("kp::example_scale")
+        ...     return x * scale
+        >>> def forward_fake(x: torch.Tensor, scale: float) -> torch.Tensor:
+        ...     return torch.empty_like(x)
+        >>> SCALE = kp_core.op(
+        ...     "kp::example_scale", forward, forward_fake, package="my-package", spec="scale", dtypes=(torch.float32,)
+        ... )
+        >>> SCALE(torch.ones(2), 3.0)
+        tensor([3., 3.])
+        >>> kp_core.registered_kernels()["kp::example_scale"].package
+        'my-package'
+    """
     return Op(name, forward, forward_fake, **declaration)

@@ -31,7 +31,22 @@ _BUFFERS: dict[tuple, object] = {}
 
 def workspace(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, count: int = 1):
     """An uninitialised tensor of `shape` and `dtype` on like's device (a tuple of `count` distinct ones when
-    count > 1), reused by later calls with the same key."""
+    count > 1), reused by later calls with the same key (see the module docstring for when it is not kept).
+
+    Args:
+        like: any tensor on the device wanted.
+        shape: the buffer's shape.
+        dtype: the buffer's dtype.
+        count: how many distinct buffers.
+
+    Examples:
+        >>> import torch
+        >>> import kp_core
+        >>> x = torch.ones(4)
+        >>> partial = kp_core.workspace(x, (4, 8), torch.float32)
+        >>> partial.shape, kp_core.workspace(x, (4, 8), torch.float32) is partial
+        (torch.Size([4, 8]), True)
+    """
     cuda = like.is_cuda
     stream = torch._C._cuda_getCurrentRawStream(like.get_device()) if cuda else 0
     key = (like.get_device(), stream, threading.get_ident(), dtype, shape, count)

@@ -9,7 +9,19 @@ import torch
 
 def median_ms(fn: Callable[[], object]) -> float:
     """Median ms of timed calls after warm-up: CUDA events on a GPU (about 25 ms of calls, 3 to 100 of them); wall
-    time elsewhere, where the kernels run interpreted and the figure only orders candidates of one run."""
+    time elsewhere, where the kernels run interpreted and the figure only orders candidates of one run.
+
+    Args:
+        fn: a call with no arguments; its result is ignored.
+
+    Examples:
+        >>> import torch
+        >>> import kp_core
+        >>> x = torch.randn(256, 256)
+        >>> ms = kp_core.median_ms(lambda: x @ x)
+        >>> ms > 0
+        True
+    """
     fn()
     if not torch.cuda.is_available():
         times = []

@@ -16,7 +16,13 @@ _generation = 0
 
 
 def settings(name: str, **defaults) -> dict:
-    """A kernel's launch settings: `defaults` with whatever kp_core.pin(name, ...) set laid over them."""
+    """A kernel's launch settings: `defaults` with whatever kp_core.pin(name, ...) set laid over them.
+
+    Examples:
+        >>> import kp_core
+        >>> kp_core.settings("my_kernel", BLOCK=128, num_warps=4)
+        {'BLOCK': 128, 'num_warps': 4}
+    """
     pinned = _PINNED.get(name)
     return defaults if pinned is None else {**defaults, **pinned}
 
@@ -26,14 +32,30 @@ def generation() -> int:
 
 
 def pin(name: str, **values) -> None:
-    """Pin launch settings for `name` until `unpin(name)` (benchmark sweeps)."""
+    """Pin launch settings for `name` until `unpin(name)` (benchmark sweeps).
+
+    Examples:
+        >>> import kp_core
+        >>> kp_core.pin("my_kernel", BLOCK=64)
+        >>> kp_core.settings("my_kernel", BLOCK=128, num_warps=4)
+        {'BLOCK': 64, 'num_warps': 4}
+        >>> kp_core.unpin("my_kernel")
+    """
     global _generation
     _PINNED[name] = dict(values)
     _generation += 1
 
 
 def unpin(name: str | None = None) -> None:
-    """Drop the pins of `name`, or every pin."""
+    """Drop the pins of `name`, or every pin.
+
+    Examples:
+        >>> import kp_core
+        >>> kp_core.pin("my_kernel", BLOCK=64)
+        >>> kp_core.unpin("my_kernel")
+        >>> kp_core.settings("my_kernel", BLOCK=128)
+        {'BLOCK': 128}
+    """
     global _generation
     if name is None:
         _PINNED.clear()
@@ -44,7 +66,18 @@ def unpin(name: str | None = None) -> None:
 
 @contextlib.contextmanager
 def pinned(name: str, **values) -> Iterator[None]:
-    """`with kp_core.pinned("row_config", max_fused_cols=64): ...` (tests reaching a branch on small inputs)."""
+    """`with kp_core.pinned("row_config", max_fused_cols=64): ...` (tests reaching a branch on small inputs).
+
+    The pins `name` had before come back when the block ends.
+
+    Examples:
+        >>> import kp_core
+        >>> with kp_core.pinned("row_config", max_fused_cols=64):
+        ...     kp_core.row_config("my_op", 100, 4).looped
+        True
+        >>> kp_core.row_config("my_op", 100, 4).looped
+        False
+    """
     before = _PINNED.get(name)
     pin(name, **values)
     try:

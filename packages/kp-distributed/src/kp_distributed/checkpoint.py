@@ -44,7 +44,16 @@ def _barrier() -> None:
 
 
 def fingerprint(model: nn.Module) -> dict[str, list[int]]:
-    """Every parameter's name and global shape (a sharded DTensor's full shape)."""
+    """Every parameter's name and global shape (a sharded DTensor's full shape).
+
+    Names drop the prefixes of activation checkpointing, torch.compile and DDP wrappers, as DCP's do.
+
+    Examples:
+        >>> import torch
+        >>> import kp_distributed
+        >>> kp_distributed.fingerprint(torch.nn.Linear(4, 2))
+        {'weight': [2, 4], 'bias': [2]}
+    """
     check_model("fingerprint", model)
     return {_clean(name): list(p.shape) for name, p in model.named_parameters()}
 
@@ -71,6 +80,28 @@ class Checkpointer:
     keep: how many complete checkpoints to keep (older ones are deleted after a save; None keeps all).
     async_save: write in the background (dcp.async_save); the checkpoint is complete once wait() or the next
     save() has returned.
+
+    Args:
+        folder: a path every rank sees (str or os.PathLike).
+        keep: complete checkpoints kept, or None for all.
+        async_save: save in the background.
+
+    `path(step)` is a step's folder, `steps()` the complete ones, `latest()` the newest (None if none).
+
+    Examples:
+        On one process, as on every rank of a distributed job (every rank calls save and load):
+
+        >>> import torch
+        >>> import kp_distributed
+        >>> model = torch.nn.Linear(16, 16)
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> ckpt = kp_distributed.Checkpointer("ckpt", keep=2)
+        >>> ckpt.load(model, optimizer)  # nothing saved yet
+        (0, {})
+        >>> ckpt.save(100, model, optimizer, extra={"epoch": 3}).name
+        'step-00000100'
+        >>> ckpt.latest(), ckpt.load(model, optimizer)
+        (100, (100, {'epoch': 3}))
     """
 
     def __init__(self, folder, *, keep: int | None = 3, async_save: bool = False):
@@ -205,7 +236,16 @@ def _check_same_model(saved: dict, current: dict, where: Path) -> None:
 def export(model: nn.Module, path) -> None:
     """Write the whole model's weights, unsharded, to one file on rank 0 for inference: safetensors where the
     path ends in .safetensors (needs the safetensors package), else torch.save. Every rank must call it (the
-    shards are gathered)."""
+    shards are gathered).
+
+    Examples:
+        >>> import torch
+        >>> import kp_distributed
+        >>> model = torch.nn.Linear(16, 8)  # a sharded model the same way, on every rank
+        >>> kp_distributed.export(model, "export/model.pt")
+        >>> {name: tuple(t.shape) for name, t in torch.load("export/model.pt").items()}
+        {'weight': (8, 16), 'bias': (8,)}
+    """
     check_model("export", model)
     path = Path(path)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)

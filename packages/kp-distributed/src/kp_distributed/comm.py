@@ -19,7 +19,21 @@ def compress(ddp_model: nn.Module, kind: str = "bf16", *, rank: int = 4, start_i
     """Register a gradient compression hook on a DistributedDataParallel module: "bf16" (NCCL only) or "fp16"
     (gradients cast for the all-reduce, half the bytes), or "powersgd" (a rank-`rank` approximation of each
     gradient matrix after `start_iter` plain all-reduce steps, error feedback on). Returns the hook's state (None
-    for the casts); PowerSGD's must be checkpointed with the run to resume it exactly."""
+    for the casts); PowerSGD's must be checkpointed with the run to resume it exactly.
+
+    Examples:
+        In a script started with `torchrun --nproc-per-node 2 train.py` (here two CPU processes, gloo):
+
+        >>> import torch
+        >>> from torch import nn
+        >>> import kp_distributed
+        >>> kp_distributed.init()
+        >>> ddp = kp_distributed.shard(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), strategy="none")
+        >>> state = kp_distributed.compress(ddp, "powersgd", rank=2, start_iter=2)
+        >>> type(state).__name__
+        'PowerSGDState'
+        >>> ddp(torch.randn(8, 64)).sum().backward()
+    """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
@@ -57,7 +71,14 @@ def overlap(intervals) -> dict[str, float]:
     """How much communication ran while compute ran: intervals are (name, start, end) of GPU kernels (any time
     unit; kernel_intervals() reads them from a torch.profiler run), a kernel whose name holds "nccl" counted as
     communication. Returns comm and compute time (each the length of the union of its kernels), the overlapped
-    time, and the share of communication hidden behind compute (1.0 when there is none)."""
+    time, and the share of communication hidden behind compute (1.0 when there is none).
+
+    Examples:
+        >>> import kp_distributed
+        >>> kernels = [("ncclKernel_AllGather", 0, 10), ("gemm", 5, 20), ("ncclKernel_ReduceScatter", 30, 35)]
+        >>> kp_distributed.overlap(kernels)
+        {'comm': 15, 'compute': 15, 'overlapped': 5.0, 'hidden': 0.3333333333333333}
+    """
     if not isinstance(intervals, (list, tuple)):
         raise TypeError(f"overlap: intervals must be a list of (name, start, end), got {type(intervals).__name__}")
     comm = _union([(s, e) for name, s, e in intervals if "nccl" in name.lower()])
@@ -85,7 +106,16 @@ def _union(spans):
 
 
 def kernel_intervals(prof) -> list[tuple[str, float, float]]:
-    """(name, start us, end us) of every GPU kernel a finished torch.profiler.profile recorded."""
+    """(name, start us, end us) of every GPU kernel a finished torch.profiler.profile recorded.
+
+    Examples:
+        >>> import torch
+        >>> import kp_distributed
+        >>> with torch.profiler.profile() as prof:
+        ...     y = torch.randn(256, 256) @ torch.randn(256, 256)
+        >>> kp_distributed.kernel_intervals(prof)  # on a CPU no GPU kernel ran; on a GPU pass it to overlap()
+        []
+    """
     from torch.autograd import DeviceType
 
     if not callable(getattr(prof, "events", None)):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 STRATEGIES = ("full", "hybrid", "none")
+"""The strategies make_mesh and shard take: "full" (FSDP2), "hybrid" (HSDP), "none" (DDP)."""
 
 
 def device_type() -> str:
@@ -29,7 +30,21 @@ def device_type() -> str:
 def make_mesh(strategy: str = "full", *, replicate: int | None = None) -> DeviceMesh:
     """The device mesh of `strategy` over all ranks of the default process group. For "hybrid", replicate is the
     number of shard groups (default: the number of nodes, world size / LOCAL_WORLD_SIZE, as torchrun sets it;
-    2 on a single node). Raises ValueError on every rank alike when the sizes do not fit."""
+    2 on a single node). Raises ValueError on every rank alike when the sizes do not fit.
+
+    The mesh's device type is "cuda" when the process group runs NCCL, else "cpu".
+
+    Examples:
+        In a script started with `torchrun --nproc-per-node 2 train.py` (here two CPU processes, gloo):
+
+        >>> import kp_distributed
+        >>> kp_distributed.init()
+        >>> kp_distributed.make_mesh("full").mesh_dim_names
+        ('shard',)
+        >>> mesh = kp_distributed.make_mesh("hybrid", replicate=2)  # 2 replicas of 1 rank each
+        >>> mesh.mesh_dim_names, tuple(mesh.shape)
+        (('replicate', 'shard'), (2, 1))
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"make_mesh: strategy must be one of {STRATEGIES}, got {strategy!r}")
     if not dist.is_initialized():
@@ -56,7 +71,19 @@ def init(backend: str | None = None, timeout: datetime.timedelta | None = None) 
     """Join the process group torchrun describes (env:// rendezvous): by default NCCL with one GPU per local rank
     where there are GPUs, else gloo (backend="gloo" keeps a GPU machine's ranks on the CPU). timeout: how long a
     collective waits for the other ranks before it fails (torch's default: 10 minutes for NCCL, 30 for gloo).
-    Idempotent."""
+    Idempotent.
+
+    Examples:
+        In a script started with `torchrun --nproc-per-node 2 train.py` (here two CPU processes, gloo):
+
+        >>> import datetime
+        >>> import torch.distributed as dist
+        >>> import kp_distributed
+        >>> kp_distributed.init(timeout=datetime.timedelta(minutes=5))
+        >>> dist.get_world_size(), dist.get_backend()
+        (2, 'gloo')
+        >>> kp_distributed.init()  # again: nothing happens
+    """
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")

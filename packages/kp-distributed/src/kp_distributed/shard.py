@@ -20,7 +20,20 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: the entries of the largest nn.ModuleList (or nn.Sequential) whose entries are all of
-    one class (model.layers in Llama-style models, transformer.h in GPT-2); [] when there is none."""
+    one class (model.layers in Llama-style models, transformer.h in GPT-2); [] when there is none.
+
+    Examples:
+        >>> from torch import nn
+        >>> import kp_distributed
+        >>> class Model(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.embed = nn.Embedding(100, 32)
+        ...         self.layers = nn.ModuleList([nn.TransformerEncoderLayer(32, 4) for _ in range(3)])
+        >>> blocks = kp_distributed.find_blocks(Model())
+        >>> len(blocks), type(blocks[0]).__name__
+        (3, 'TransformerEncoderLayer')
+    """
     check_model("find_blocks", model)
     best: list[nn.Module] = []
     for module in model.modules():
@@ -123,6 +136,22 @@ def shard(
     activation_checkpointing: None, "full" (every block) or k (every k-th block). compile_blocks: True, or a dict
     of torch.compile options, compiles each block. offload: parameters, gradients and optimizer state on the
     CPU (FSDP2's CPUOffloadPolicy). blocks: the transformer blocks, when find_blocks cannot find them.
+
+    The parameters then are DTensors sharded over the mesh ("full", "hybrid"); the model's inputs and outputs
+    are as before.
+
+    Examples:
+        In a script started with `torchrun --nproc-per-node 2 train.py` (here two CPU processes, gloo):
+
+        >>> import torch
+        >>> from torch import nn
+        >>> import kp_distributed
+        >>> kp_distributed.init()
+        >>> model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 4 blocks of one class
+        >>> model = kp_distributed.shard(model, mixed_precision=None)
+        >>> type(model[0].weight).__name__, tuple(model[0].weight.to_local().shape)  # each rank holds half
+        ('DTensor', (32, 64))
+        >>> model(torch.randn(8, 64)).sum().backward()
     """
     check_model("shard", model)
     _check(strategy, prefetch, activation_checkpointing, mesh)

@@ -18,7 +18,20 @@ import torch
 
 
 class CaptureError(RuntimeError):
-    """The function cannot be captured into a CUDA graph; the message names the cause."""
+    """The function cannot be captured into a CUDA graph; the message names the cause.
+
+    Raised by a graphed callable's call that captures (a RuntimeError); the process stays usable afterwards.
+
+    Examples:
+        >>> import torch
+        >>> import kp_graphs
+        >>> g = kp_graphs.graphed(lambda x: x * x.sum().item(), buckets=[4])  # .item() syncs: needs a GPU
+        >>> with torch.no_grad():
+        ...     g(torch.randn(4, 8, device="cuda"))
+        Traceback (most recent call last):
+            ...
+        kp_graphs.capture.CaptureError: ...host synchronisation...
+    """
 
 
 # What torch's errors during capture mean, by a phrase in them

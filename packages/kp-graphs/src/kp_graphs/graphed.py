@@ -56,7 +56,20 @@ _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 class Graphed:
     """What kp_graphs.graphed returns: call it as fn is called (see graphed's docstring); `.stats` counts
-    captures, replays per bucket and eager fallbacks."""
+    captures, replays per bucket and eager fallbacks.
+
+    Made by `kp_graphs.graphed(fn, ...)`, whose arguments it keeps as attributes (fn, buckets, pad, pool, warmup,
+    copy_outputs, training_step).
+
+    Examples:
+        >>> import torch
+        >>> import kp_graphs
+        >>> g = kp_graphs.graphed(torch.nn.Linear(64, 64), buckets=[8, 16], name="proj")
+        >>> g(torch.randn(5, 64)).shape  # a CPU tensor: run eagerly (padded to 8 and cut back), and counted
+        torch.Size([5, 64])
+        >>> g.stats.calls, g.stats.eager
+        (1, {'not on a CUDA device': 1})
+    """
 
     def __init__(self, fn, buckets, pad, pool, warmup, copy_outputs, name, training_step=False):
         if not callable(fn):
@@ -366,5 +379,20 @@ def graphed(
     optimizer, grad scaler) captured as one graph per bucket with grad on; its outputs come back detached. A
     bucket's first `warmup` calls run the step eagerly (on their padded batches, on the warmup stream) and its
     next call captures it, so training takes exactly the steps it is called for.
+    name: the name the stats and `kp_graphs.report()` show (fn's name by default).
+
+    Tensor inputs may have any dtype; their bucketed dimension is padded up to the next bucket, and outputs with
+    that dimension are cut back to the call's size. Graphs are captured and replayed on CUDA tensors only.
+
+    Examples:
+        >>> import torch
+        >>> import kp_graphs
+        >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU()).cuda()  # needs a GPU
+        >>> step = kp_graphs.graphed(model, buckets=[16, 32, 64])
+        >>> with torch.no_grad():
+        ...     y = step(torch.randn(20, 512, device="cuda"))  # captured for bucket 32, padded, cut back to 20
+        ...     y = step(torch.randn(30, 512, device="cuda"))  # replayed
+        >>> y.shape, step.stats.replays
+        (torch.Size([30, 512]), {32: 2})
     """
     return Graphed(fn, buckets, pad, pool, warmup, copy_outputs, name, training_step)

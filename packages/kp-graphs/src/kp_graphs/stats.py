@@ -45,7 +45,19 @@ def register(graphed) -> None:
 
 
 def report() -> str:
-    """A markdown table of every live graphed callable's stats."""
+    """A markdown table of every live graphed callable's stats.
+
+    Examples:
+        >>> import torch
+        >>> import kp_graphs
+        >>> g = kp_graphs.graphed(torch.nn.Linear(8, 8), buckets=[4], name="tiny")
+        >>> y = g(torch.randn(3, 8))  # on a CPU: eager, counted
+        >>> table = kp_graphs.report().splitlines()
+        >>> table[0].split(" | ")[:4]
+        ['| graphed', 'calls', 'replayed', 'per bucket: replays (graph already there)']
+        >>> [row for row in table if row.startswith("| tiny")]
+        ['| tiny | 1 | 0 % | - | not on a CUDA device: 1 | 0 | 0.000 | 0.0 |']
+    """
     lines = [
         "| graphed | calls | replayed | per bucket: replays (graph already there) | eager (why) | captures | "
         "capture s | pool MiB |",
@@ -57,7 +69,7 @@ def report() -> str:
         per = ", ".join(f"{b}: {n} ({100 * hits[b]:.0f} %)" for b, n in sorted(s.replays.items())) or "-"
         why = ", ".join(f"{r}: {n}" for r, n in sorted(s.eager.items())) or "-"
         lines.append(
-            f"| {s.name} | {s.calls} | {per} | {100 * s.hit_rate:.0f} % | {why} | {s.captures} | "
+            f"| {s.name} | {s.calls} | {100 * s.hit_rate:.0f} % | {per} | {why} | {s.captures} | "
             f"{s.capture_seconds:.3f} | {s.pool_bytes / 2**20:.1f} |"
         )
     return "\n".join(lines)

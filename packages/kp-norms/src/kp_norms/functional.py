@@ -180,6 +180,25 @@ def rms_norm(
     activation: None, "silu", "gelu" or "gelu_tanh", applied to the normalised output in the same kernel.
     eps=None takes the epsilon of the compute dtype (fp32, or fp64 for fp64 input), which is what PyTorch's
     implementation does (its docs say `torch.finfo(input.dtype).eps`; for fp16/bf16 the code differs).
+
+    Args:
+        input: (*, *normalized_shape), float16, bfloat16, float32 or float64.
+        normalized_shape: the trailing dims normalised: an int or a sequence matching input's last dims.
+        weight: normalized_shape, any of those dtypes (it may differ from input's, as in torch), input's device.
+
+    Returns:
+        input's shape and dtype ("llama" casting: the promoted dtype of input and weight).
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+        >>> w = torch.ones(64, dtype=torch.bfloat16)
+        >>> y = kp_norms.rms_norm(x, (64,), w, eps=1e-6)
+        >>> torch.allclose(y.float(), torch.nn.functional.rms_norm(x, (64,), w, eps=1e-6).float(), atol=1e-2)
+        True
+        >>> kp_norms.rms_norm(x, 64, w.float(), casting="llama").dtype  # Llama's: promoted with the weight
+        torch.float32
     """
     name = "kp_norms.rms_norm"
     n_shape = _check(name, input, normalized_shape, weight, None, eps)
@@ -197,7 +216,29 @@ def layer_norm(
     activation: Optional[str] = None,
 ) -> torch.Tensor:
     """Drop-in for `torch.nn.functional.layer_norm` (biased variance, fp32 math, one rounding), with an
-    optional activation ("silu", "gelu", "gelu_tanh") applied in the same kernel."""
+    optional activation ("silu", "gelu", "gelu_tanh") applied in the same kernel.
+
+    Args:
+        input: (*, *normalized_shape), float16, bfloat16, float32 or float64.
+        normalized_shape: the trailing dims normalised: an int or a sequence matching input's last dims.
+        weight: normalized_shape, any of those dtypes, input's device.
+        bias: normalized_shape, any of those dtypes, input's device.
+        eps: a number (None is a ValueError).
+
+    Returns:
+        input's shape and dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> x = torch.randn(8, 32)
+        >>> w, b = torch.rand(32), torch.randn(32)
+        >>> y = kp_norms.layer_norm(x, (32,), w, b)
+        >>> torch.allclose(y, torch.nn.functional.layer_norm(x, (32,), w, b), atol=1e-5)
+        True
+        >>> kp_norms.layer_norm(x, 32, activation="gelu").shape
+        torch.Size([8, 32])
+    """
     name = "kp_norms.layer_norm"
     n_shape = _check(name, input, normalized_shape, weight, bias, eps)
     act = int(by_name(name, activation, ACTIVATIONS))
@@ -221,6 +262,24 @@ def add_rms_norm(
     in_place=True writes the sum into `residual` and returns it. Without autograd that saves the sum's
     allocation; when a gradient is needed the sum is computed out of place and copied in (autograd needs
     the saved sum intact, so a later in-place update of that buffer makes backward raise, as torch does).
+    offset, casting and activation are rms_norm's.
+
+    Args:
+        input: (*, N), float16, bfloat16, float32 or float64.
+        residual: input's shape, dtype and device.
+        weight: (N,), any of those dtypes, input's device.
+
+    Returns:
+        (the norm's output, input + residual), both input's shape; the output's dtype as rms_norm's, the sum's
+        input's.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> x, residual = torch.randn(4, 64), torch.randn(4, 64)
+        >>> y, h = kp_norms.add_rms_norm(x, residual, torch.ones(64), eps=1e-6)
+        >>> torch.equal(h, x + residual), torch.allclose(y, kp_norms.rms_norm(h, 64, torch.ones(64), 1e-6))
+        (True, True)
     """
     name = "kp_norms.add_rms_norm"
     n_shape = _check(name, input, ..., weight, None, eps, residual)
@@ -240,7 +299,25 @@ def add_layer_norm(
     activation: Optional[str] = None,
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(layer_norm(input + residual), input + residual)` in one pass over the last dim; see add_rms_norm."""
+    """`(layer_norm(input + residual), input + residual)` in one pass over the last dim; see add_rms_norm.
+
+    Args:
+        input: (*, N), float16, bfloat16, float32 or float64.
+        residual: input's shape, dtype and device.
+        weight: (N,), any of those dtypes, input's device.
+        bias: (N,), any of those dtypes, input's device.
+
+    Returns:
+        (layer_norm's output, input + residual), both with input's shape and dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> x, residual = torch.randn(4, 64), torch.randn(4, 64)
+        >>> y, h = kp_norms.add_layer_norm(x, residual, in_place=True)  # the sum is written into residual
+        >>> h is residual, y.shape
+        (True, torch.Size([4, 64]))
+    """
     name = "kp_norms.add_layer_norm"
     n_shape = _check(name, input, ..., weight, bias, eps, residual)
     act = int(by_name(name, activation, ACTIVATIONS))
@@ -252,7 +329,15 @@ def add_layer_norm(
 class NormFloat8(NamedTuple):
     """norm_float8's result: `output` (the norm's, as the norm functions return it), `sum` (input + residual, None
     without a residual), and the output cast to float8: `data` (the output's shape), `scale` and `amax` (float32;
-    rowwise: (*lead, 1), one per row; tensorwise: 0-d), with output ~ data * scale."""
+    rowwise: (*lead, 1), one per row; tensorwise: 0-d), with output ~ data * scale.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> out = kp_norms.norm_float8(torch.randn(4, 64), granularity="rowwise")
+        >>> out.data.dtype, out.scale.shape, out.sum is None
+        (torch.float8_e4m3fn, torch.Size([4, 1]), True)
+    """
 
     output: torch.Tensor
     sum: Optional[torch.Tensor]
@@ -293,7 +378,31 @@ def norm_float8(
     floored to a power of two with power_of_2; saturating, round to nearest-even), bit for bit. The cast is
     made from the rounded output inside the norm's kernel (rowwise: in the same launch); the output is never
     read back for its amax. Gradients flow through `output` and `sum` as through the norm functions; the float8
-    copy has none. float16, bfloat16 and float32 inputs."""
+    copy has none. float16, bfloat16 and float32 inputs.
+
+    Args:
+        input: (*, N), float16, bfloat16 or float32.
+        weight: (N,), a float dtype, input's device.
+        bias: (N,), kind="layer" only.
+        residual: input's shape, dtype and device, or None.
+        float8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        granularity: "tensorwise" (one scale) or "rowwise" (one per row).
+
+    Returns:
+        A NormFloat8: output (and sum) as the norm functions return them, data (input's shape, float8_dtype),
+        scale and amax (float32; rowwise (*, 1), tensorwise 0-d).
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> x = torch.randn(4, 64, dtype=torch.bfloat16)
+        >>> out = kp_norms.norm_float8(x, torch.ones(64, dtype=torch.bfloat16), eps=1e-6)
+        >>> out.data.dtype, out.data.shape, out.scale.shape
+        (torch.float8_e4m3fn, torch.Size([4, 64]), torch.Size([]))
+        >>> back = out.data.float() * out.scale  # output ~ data * scale
+        >>> bool((back - out.output.float()).abs().max() < 0.1 * out.output.float().abs().max())
+        True
+    """
     name = "kp_norms.norm_float8"
     if kind not in ("rms", "layer"):
         raise ValueError(f"{name}: kind must be 'rms' or 'layer', got {kind!r}")
@@ -368,29 +477,97 @@ def _gelu(name: str, approximate: str) -> Activation:
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`F.silu(gate) * up`, fused; gate and up have the same shape, dtype and device."""
+    """`F.silu(gate) * up`, fused; gate and up have the same shape, dtype and device.
+
+    Args:
+        gate: any shape, float16, bfloat16, float32 or float64.
+        up: gate's shape, dtype and device.
+
+    Returns:
+        gate's shape and dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> gate, up = torch.randn(4, 128), torch.randn(4, 128)
+        >>> torch.allclose(kp_norms.swiglu(gate, up), torch.nn.functional.silu(gate) * up, atol=1e-6)
+        True
+    """
     return _glu("kp_norms.swiglu", gate, up, Activation.SILU)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """`F.gelu(gate, approximate=approximate) * up`, fused."""
+    """`F.gelu(gate, approximate=approximate) * up`, fused.
+
+    Args:
+        gate: any shape, float16, bfloat16, float32 or float64.
+        up: gate's shape, dtype and device.
+        approximate: "none" (erf GELU) or "tanh".
+
+    Returns:
+        gate's shape and dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> gate, up = torch.randn(4, 128), torch.randn(4, 128)
+        >>> y = kp_norms.geglu(gate, up, approximate="tanh")
+        >>> torch.allclose(y, torch.nn.functional.gelu(gate, approximate="tanh") * up, atol=1e-6)
+        True
+    """
     return _glu("kp_norms.geglu", gate, up, _gelu("kp_norms.geglu", approximate))
 
 
 def swiglu_packed(input: torch.Tensor) -> torch.Tensor:
-    """`swiglu(*input.chunk(2, -1))` without copying the halves: input is [..., 2H], the result [..., H]."""
+    """`swiglu(*input.chunk(2, -1))` without copying the halves: input is [..., 2H], the result [..., H].
+
+    Args:
+        input: (*, 2H) (the last dim even), float16, bfloat16, float32 or float64.
+
+    Returns:
+        (*, H), input's dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> x = torch.randn(4, 256)
+        >>> torch.allclose(kp_norms.swiglu_packed(x), kp_norms.swiglu(*x.chunk(2, -1)))
+        True
+    """
     return _glu_packed("kp_norms.swiglu_packed", input, Activation.SILU)
 
 
 def geglu_packed(input: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """`geglu(*input.chunk(2, -1), approximate)` without copying the halves."""
+    """`geglu(*input.chunk(2, -1), approximate)` without copying the halves.
+
+    Args:
+        input: (*, 2H) (the last dim even), float16, bfloat16, float32 or float64.
+        approximate: "none" (erf GELU) or "tanh".
+
+    Returns:
+        (*, H), input's dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> kp_norms.geglu_packed(torch.randn(4, 256)).shape
+        torch.Size([4, 128])
+    """
     name = "kp_norms.geglu_packed"
     return _glu_packed(name, input, _gelu(name, approximate))
 
 
 class GLUFloat8(NamedTuple):
     """glu_float8's result: `output` (act(gate) * up) and its float8 copy: `data` (the output's shape), `scale` and
-    `amax` (float32; rowwise: (*lead, 1), tensorwise: 0-d), with output ~ data * scale."""
+    `amax` (float32; rowwise: (*lead, 1), tensorwise: 0-d), with output ~ data * scale.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> out = kp_norms.glu_float8(torch.randn(4, 128), torch.randn(4, 128), granularity="rowwise")
+        >>> out.output.shape, out.data.dtype, out.amax.shape
+        (torch.Size([4, 128]), torch.float8_e4m3fn, torch.Size([4, 1]))
+    """
 
     output: torch.Tensor
     data: torch.Tensor
@@ -414,7 +591,27 @@ def glu_float8(
     the float8 matmul that reads it next (an MLP's down projection): per row or per tensor, bit for bit
     kp_precision.quantize of the output. The forward kernel leaves the output's amax and one more pass casts it
     (the output is never read back for its amax). Gradients flow through `output` as through swiglu / geglu;
-    the float8 copy has none. float16, bfloat16 and float32 inputs."""
+    the float8 copy has none. float16, bfloat16 and float32 inputs.
+
+    Args:
+        gate: (*, N), float16, bfloat16 or float32.
+        up: gate's shape, dtype and device.
+        activation: "silu", "gelu" or "gelu_tanh".
+        float8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        granularity: "tensorwise" (one scale) or "rowwise" (one per row).
+
+    Returns:
+        A GLUFloat8: output (gate's shape and dtype), data (gate's shape, float8_dtype), scale and amax
+        (float32; rowwise (*, 1), tensorwise 0-d).
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> gate, up = torch.randn(4, 128, dtype=torch.bfloat16), torch.randn(4, 128, dtype=torch.bfloat16)
+        >>> out = kp_norms.glu_float8(gate, up, "silu", float8_dtype=torch.float8_e5m2)
+        >>> out.data.dtype, out.scale.dtype, torch.equal(out.output, kp_norms.swiglu(gate, up))
+        (torch.float8_e5m2, torch.float32, True)
+    """
     name = "kp_norms.glu_float8"
     if activation not in GLU_ACTIVATIONS:
         raise ValueError(f"{name}: activation must be one of {tuple(GLU_ACTIVATIONS)}, got {activation!r}")

@@ -18,7 +18,28 @@ def _sizes(name: str, normalized_shape) -> tuple:
 
 class RMSNorm(nn.Module):
     """Drop-in for `torch.nn.RMSNorm`, computed by kp's kernel; `offset` and `casting` as in
-    `kp_norms.rms_norm` (offset=1.0 is Gemma's norm, whose weight starts at zero)."""
+    `kp_norms.rms_norm` (offset=1.0 is Gemma's norm, whose weight starts at zero).
+
+    Args:
+        normalized_shape: the trailing dims normalised (an int or a sequence of them).
+        eps: a number, or None for the compute dtype's epsilon (as torch.nn.RMSNorm).
+        elementwise_affine: whether it holds a `weight` of shape normalized_shape (ones; zeros with an offset).
+        device: the weight's device.
+        dtype: the weight's dtype.
+        offset: y = n * (offset + weight).
+        casting: "torch", "gemma" or "llama" (see kp_norms.rms_norm).
+
+    The forward takes (*, *normalized_shape) in float16, bfloat16, float32 or float64 and returns that shape.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> norm = kp_norms.RMSNorm(64, eps=1e-6)
+        >>> norm(torch.randn(2, 10, 64)).shape
+        torch.Size([2, 10, 64])
+        >>> kp_norms.RMSNorm(64, offset=1.0).weight.sum().item()  # Gemma's: zeros, scaled by 1 + w
+        0.0
+    """
 
     __constants__ = ["normalized_shape", "eps", "elementwise_affine", "offset", "casting"]
 
@@ -63,7 +84,28 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Drop-in for `torch.nn.LayerNorm` (same arguments, attributes and state_dict keys)."""
+    """Drop-in for `torch.nn.LayerNorm` (same arguments, attributes and state_dict keys).
+
+    Args:
+        normalized_shape: the trailing dims normalised (an int or a sequence of them).
+        eps: a number.
+        elementwise_affine: whether it holds `weight` (ones) and, with bias=True, `bias` (zeros), each of shape
+            normalized_shape.
+        bias: whether it holds a bias.
+        device: the parameters' device.
+        dtype: the parameters' dtype.
+
+    The forward takes (*, *normalized_shape) in float16, bfloat16, float32 or float64 and returns that shape.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> norm = kp_norms.LayerNorm(64)
+        >>> sorted(norm.state_dict()) == sorted(torch.nn.LayerNorm(64).state_dict())
+        True
+        >>> norm(torch.randn(8, 64)).shape
+        torch.Size([8, 64])
+    """
 
     __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
 
@@ -102,7 +144,28 @@ class LayerNorm(nn.Module):
 
 class GatedMLP(nn.Module):
     """`down_proj(act(gate_proj(x)) * up_proj(x))` with `act(g) * u` in one kp kernel: SwiGLU for "silu",
-    GeGLU for "gelu" / "gelu_tanh". Children and state_dict keys are those of Hugging Face's LlamaMLP."""
+    GeGLU for "gelu" / "gelu_tanh". Children and state_dict keys are those of Hugging Face's LlamaMLP.
+
+    Args:
+        hidden_size: the input's and output's last dim.
+        intermediate_size: gate_proj's and up_proj's output size.
+        activation: "silu", "gelu" or "gelu_tanh".
+        bias: whether the three nn.Linear projections have biases.
+        device: the projections' device.
+        dtype: the projections' dtype.
+
+    The forward takes (*, hidden_size) in the projections' dtype and returns (*, hidden_size).
+    `GatedMLP.from_modules(gate_proj, up_proj, down_proj, activation)` wraps existing projections.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> mlp = kp_norms.GatedMLP(64, 128)
+        >>> mlp(torch.randn(2, 5, 64)).shape
+        torch.Size([2, 5, 64])
+        >>> sorted(mlp.state_dict())[:2]
+        ['down_proj.weight', 'gate_proj.weight']
+    """
 
     def __init__(
         self,

@@ -163,6 +163,20 @@ def patch(
 
     The root module itself is never replaced. Patching twice changes nothing the second time. A module reached by
     several names (shared) becomes one kp module at all of them, and every name is listed.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.RMSNorm(64), torch.nn.LayerNorm(64))
+        >>> kp_norms.patch(model)
+        ['1', '2']
+        >>> type(model[1]).__module__
+        'kp_norms.modules'
+        >>> kp_norms.patch(model)  # a second time: nothing left to swap
+        []
+        >>> other = torch.nn.Sequential(torch.nn.RMSNorm(64), torch.nn.RMSNorm(64))
+        >>> kp_norms.patch(other, module_filter_fn=lambda module, name: name != "0")
+        ['1']
     """
     kp_core.check_module("kp_norms.patch", "model", model)
     for arg, flag in (("rms_norm", rms_norm), ("layer_norm", layer_norm), ("swiglu", swiglu)):
@@ -200,7 +214,18 @@ def patch(
 
 def unpatch(model: nn.Module) -> list[str]:
     """Put back the original module objects `patch` replaced (with any Parameters or children reassigned since
-    through the kp module); return the names restored."""
+    through the kp module); return the names restored.
+
+    Examples:
+        >>> import torch
+        >>> import kp_norms
+        >>> norm = torch.nn.RMSNorm(64)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), norm)
+        >>> kp_norms.patch(model)
+        ['1']
+        >>> kp_norms.unpatch(model), model[1] is norm
+        (['1'], True)
+    """
     kp_core.check_module("kp_norms.unpatch", "model", model)
     restored = []
     for name, module in list(model.named_modules(remove_duplicate=False)):

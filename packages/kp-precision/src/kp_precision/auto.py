@@ -75,7 +75,20 @@ def auto_filter(recipe="tensorwise", *, tokens: int = 8192, min_speedup: float =
 
     `recipe`: a recipe name or a Float8Config (the one the conversion will use); `tokens`: rows of input per
     step (batch x sequence); `min_speedup`: how much faster the float8 step must be; `skip`: substrings of
-    layer names never converted (e.g. "lm_head"); `compiled`: time both forms under torch.compile."""
+    layer names never converted (e.g. "lm_head"); `compiled`: time both forms under torch.compile.
+
+    Returns a function (module, fqn) -> bool for `module_filter_fn`. Layers not on a CUDA device are never
+    converted (with one warning).
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> keep = kp_precision.auto_filter("rowwise", tokens=16384, min_speedup=1.1, skip=("lm_head",))
+        >>> keep(torch.nn.Linear(64, 64), "layers.0.lm_head")
+        False
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4096, 4096, device="cuda"))  # needs a GPU
+        >>> model = kp_precision.convert_to_float8_training(model, recipe="rowwise", module_filter_fn=keep)
+    """
     config = recipe if isinstance(recipe, Float8Config) else Float8Config(recipe=recipe)
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"auto_filter: tokens must be a positive int, got {tokens!r}")

@@ -61,7 +61,20 @@ def convert_to_float8_training(
     `module_filter_fn(module, fqn) -> bool` picks layers (all by default; "auto": those measured faster in
     float8 on their GPU, see kp_precision.auto_filter); `recipe` is a shortcut for `Float8Config(recipe=...)`,
     `config` the whole setting. Layers whose in_features or out_features is not a multiple of 16 stay nn.Linear
-    (one warning names them); `verbose=True` prints each converted layer."""
+    (one warning names them); `verbose=True` prints each converted layer.
+
+    The converted layers take (*, in_features) in float16, bfloat16 or float32.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+        >>> model = kp_precision.convert_to_float8_training(model, recipe="rowwise")
+        >>> model[0]
+        Float8Linear(in_features=64, out_features=128, bias=True, recipe=rowwise, scaling=dynamic)
+        >>> model(torch.randn(8, 64)).shape
+        torch.Size([8, 64])
+    """
     if recipe is not None and config is not None:
         raise ValueError("convert_to_float8_training: give recipe or config, not both")
     config = config or Float8Config(recipe=recipe or "tensorwise")
@@ -84,7 +97,17 @@ def convert_to_float8_inference(
 
     `module_filter_fn(module, fqn) -> bool` picks layers (all by default); layers whose in_features or
     out_features is not a multiple of 16 stay nn.Linear (one warning names them); `verbose=True` prints each
-    converted layer."""
+    converted layer. `recipe`: "tensorwise", "rowwise" or "blockwise" (Float8InferenceLinear's).
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        >>> with torch.no_grad():
+        ...     model = kp_precision.convert_to_float8_inference(model)  # warns: 128 -> 10 stays nn.Linear
+        >>> type(model[0]).__name__, type(model[2]).__name__
+        ('Float8InferenceLinear', 'Linear')
+    """
     if recipe not in RECIPES:
         raise ValueError(f"convert_to_float8_inference: recipe must be one of {RECIPES}, got {recipe!r}")
     make = lambda linear: Float8InferenceLinear.from_linear(linear, recipe=recipe)  # noqa: E731
@@ -95,7 +118,18 @@ def prepare_qat(model: nn.Module, *, weight="int4", group_size="default", activa
                 verbose=False) -> nn.Module:  # fmt: skip
     """Swap model's nn.Linear layers for QATLinear in place (sharing their parameters) and return model.
     `weight`: 'int4' (groups of 32 by default), 'int8' (per row by default) or 'fp8' (per row); `group_size`:
-    a power of two dividing in_features, or None for per-row scales; `activation`: None, 'int8' or 'fp8'."""
+    a power of two dividing in_features, or None for per-row scales; `activation`: None, 'int8' or 'fp8'.
+    `module_filter_fn(module, fqn) -> bool` picks layers (all by default); layers whose in_features the group
+    does not divide stay nn.Linear (one warning names them).
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+        >>> model = kp_precision.prepare_qat(model, weight="int4", activation="int8")
+        >>> model[0]
+        QATLinear(in_features=64, out_features=64, bias=True, weight_dtype=int4, group_size=32, activation=int8)
+    """
     group = DEFAULT_GROUP.get(weight) if group_size == "default" else group_size
     check_formats("prepare_qat", weight, activation, group)
     make = lambda lin: QATLinear.from_linear(lin, weight_dtype=weight, group_size=group, activation=activation)  # noqa: E731
@@ -111,7 +145,20 @@ def prepare_qat(model: nn.Module, *, weight="int4", group_size="default", activa
 
 def convert(model: nn.Module, *, verbose=False) -> nn.Module:
     """Swap model's QATLinear layers for QuantizedLinear in place and return model (the weights quantised once,
-    to exactly the values the QAT model trained with)."""
+    to exactly the values the QAT model trained with).
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> model = kp_precision.prepare_qat(torch.nn.Sequential(torch.nn.Linear(64, 64)))
+        >>> x = torch.randn(4, 64)
+        >>> before = model(x)  # ... after QAT training
+        >>> model = kp_precision.convert(model)
+        >>> model[0]
+        QuantizedLinear(in_features=64, out_features=64, int4, group_size=32)
+        >>> torch.allclose(model(x), before)
+        True
+    """
     kp_core.check_module("convert", "model", model)
     converted = []
     for fqn, module in list(model.named_modules()):

@@ -19,7 +19,21 @@ class Float8Tensor(NamedTuple):
     """`data` (float8, the input's shape), `scale` (float32: x ~ data * scale over each block), `amax` (float32,
     the scale's shape: max |x| per block, for amax histories) and `block` = (block_m, block_k) over the (M, K)
     view of the input (K the last dim), 0 meaning the whole dimension: (0, 0) tensorwise, (1, 0) rowwise,
-    (1, 128) / (128, 128) blockwise."""
+    (1, 128) / (128, 128) blockwise.
+
+    What kp_precision.quantize returns; `granularity`, `shape` and `dtype` are data's, `dequantize(dtype)` gives
+    data * scale (kp_precision.dequantize with its checks).
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> t = kp_precision.quantize(torch.randn(32, 64), granularity="rowwise")
+        >>> t.block, t.granularity, t.shape, t.dtype
+        ((1, 0), 'rowwise', torch.Size([32, 64]), torch.float8_e4m3fn)
+        >>> data, scale, amax, block = t  # a NamedTuple
+        >>> t.dequantize(torch.bfloat16).dtype
+        torch.bfloat16
+    """
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -54,7 +68,24 @@ def attach_float8(x: torch.Tensor, cast: Float8Tensor, *, power_of_2: bool = Fal
     kp_precision.quantize(x, ...) gives, bit for bit: the layer does not check the values. The record lapses when x
     is modified in place or freed, or after `uses` layers took it (the copy is then freed with the last of them,
     not kept as long as x is: a training step keeps x for the backward); eager mode only (under torch.compile the
-    layers cast, and inductor fuses the cast)."""
+    layers cast, and inductor fuses the cast).
+
+    Args:
+        x: the activation, any shape (*, K).
+        cast: a tensorwise or rowwise Float8Tensor whose data has x's shape.
+        power_of_2: whether cast's scales were floored to powers of two.
+        uses: how many layers may take it (None: any number while x lives unchanged).
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> layer = kp_precision.Float8Linear(64, 32, config=kp_precision.Float8Config(recipe="rowwise"))
+        >>> x = torch.randn(16, 64)
+        >>> cast = kp_precision.quantize(x, granularity="rowwise", power_of_2=True)  # the rowwise recipe's cast
+        >>> x = kp_precision.attach_float8(x, cast, power_of_2=True, uses=1)
+        >>> layer(x).shape  # the layer takes the copy instead of casting x
+        torch.Size([16, 32])
+    """
     name = "kp_precision.attach_float8"
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: x must be a tensor, got {type(x).__name__}")

@@ -61,7 +61,25 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
 
 class Float8AllGatherWeight(torch.Tensor):
     """A Float8Linear's weight (or its FSDP2 shard) that FSDP2 all-gathers in float8. `power_of_2` floors the
-    scale to a power of two, as Float8Config's."""
+    scale to a power of two, as Float8Config's.
+
+    Args:
+        tensor: the weight (out_features, in_features), or this rank's shard of it, in the parameter's dtype.
+        power_of_2: whether the all-gather's scale is a power of two.
+
+    Any op other than FSDP2's sharding ones sees `tensor` itself. Float8Linear makes it with
+    `Float8Config(fsdp_float8_all_gather=True)`.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> w = kp_precision.Float8AllGatherWeight(torch.randn(32, 64))
+        >>> w.shape, w.dtype, type(w * 2).__name__  # other ops get plain tensors
+        (torch.Size([32, 64]), torch.float32, 'Tensor')
+        >>> config = kp_precision.Float8Config(fsdp_float8_all_gather=True)
+        >>> type(kp_precision.Float8Linear(64, 32, config=config).weight.data).__name__
+        'Float8AllGatherWeight'
+    """
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, power_of_2: bool = False):
@@ -140,7 +158,25 @@ def high_precision(weight: torch.Tensor) -> torch.Tensor:
 
 class Float8GatheredWeight(torch.Tensor):
     """The whole weight after a float8 all-gather: `_data` (float8), `_scale` (x ~ data * scale) and `_amax`,
-    with the parameter's dtype. Float8Linear uses the data as it is; other ops get data * scale."""
+    with the parameter's dtype. Float8Linear uses the data as it is; other ops get data * scale.
+
+    Args:
+        data: the gathered weight, float8_e4m3fn (out_features, in_features).
+        scale: a 0-d float32 tensor.
+        amax: a 0-d float32 tensor (the whole weight's max |w|).
+        dtype: the parameter's dtype, which the tensor reports.
+
+    FSDP2's all-gather makes it (Float8AllGatherWeight.fsdp_post_all_gather); `float8()` gives it as a
+    tensorwise Float8Tensor.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> t = kp_precision.quantize(torch.randn(32, 64))  # tensorwise
+        >>> w = kp_precision.Float8GatheredWeight(t.data, t.scale, t.amax, torch.bfloat16)
+        >>> w.dtype, (w + 0).dtype, w.float8().granularity  # other ops see data * scale
+        (torch.bfloat16, torch.bfloat16, 'tensorwise')
+    """
 
     @staticmethod
     def __new__(cls, data, scale, amax, dtype):
@@ -185,13 +221,24 @@ class Float8GatheredWeight(torch.Tensor):
         return Float8Tensor(self._data, self._scale, self._amax, (0, 0))
 
     def dequantize(self) -> torch.Tensor:
+        """data * scale, in the parameter's dtype."""
         return (self._data.float() * self._scale).to(self.dtype)
 
 
 @torch.no_grad()
 def precompute_float8_scales(model: torch.nn.Module) -> None:
     """The float8 scale of every fsdp_float8_all_gather weight in `model`, one all-reduce per mesh, for the next
-    all-gathers (call it after optimizer.step(); without it each all-gather runs its own all-reduce)."""
+    all-gathers (call it after optimizer.step(); without it each all-gather runs its own all-reduce).
+
+    Does nothing for a model without such weights.
+
+    Examples:
+        In a training loop (torchrun, FSDP2) whose Float8Linear layers have
+        Float8Config(fsdp_float8_all_gather=True):
+
+        >>> optimizer.step()  # doctest: +SKIP
+        >>> kp_precision.precompute_float8_scales(model)  # doctest: +SKIP
+    """
     kp_core.check_module("precompute_float8_scales", "model", model)
     groups: dict[tuple, list] = {}
     for module in model.modules():

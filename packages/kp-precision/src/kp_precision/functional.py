@@ -61,7 +61,28 @@ def quantize(
     power of two with `power_of_2=True`. `scale` (tensorwise only) is a given dequantisation scale, as in
     delayed scaling: the data is x / scale, saturated, and the returned amax is the input's. Values beyond the
     format's range saturate, NaN stays NaN, rounding is to nearest-even: bit for bit torch's own cast of the
-    scaled values. Returns a Float8Tensor (data, scale, amax, block)."""
+    scaled values. Returns a Float8Tensor (data, scale, amax, block).
+
+    Args:
+        input: (*, K) (2-D for blocks of several rows), float16, bfloat16 or float32.
+        dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        scale: a one-element float32 tensor on input's device, or None.
+
+    Returns:
+        data: input's shape, `dtype`. scale and amax: float32; tensorwise 0-d, rowwise (*, 1), blockwise
+        (rows / block_m, K / block_k) over the (rows, K) view (divisions rounded up).
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> x = torch.randn(64, 256)
+        >>> t = kp_precision.quantize(x, torch.float8_e4m3fn, granularity="rowwise")
+        >>> t.data.dtype, t.scale.shape, t.granularity
+        (torch.float8_e4m3fn, torch.Size([64, 1]), 'rowwise')
+        >>> kp_precision.quantize(x, granularity="blockwise", block=(32, 128)).scale.shape
+        torch.Size([2, 2])
+        >>> delayed = kp_precision.quantize(x, scale=torch.tensor(0.01))  # a given scale: one pass
+    """
     kp_core.check_tensor(_NAME, "input", input, dtypes=DTYPES, min_ndim=1)
     if dtype not in FP8_DTYPES:
         raise TypeError(f"{_NAME}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
@@ -77,7 +98,23 @@ def quantize(
 
 
 def dequantize(tensor: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """data * scale over each block, rounded once to `dtype`."""
+    """data * scale over each block, rounded once to `dtype`.
+
+    Args:
+        tensor: a Float8Tensor, as quantize returns it.
+        dtype: float16, bfloat16 or float32.
+
+    Returns:
+        tensor.data's shape, `dtype`.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> x = torch.randn(64, 256)
+        >>> y = kp_precision.dequantize(kp_precision.quantize(x, granularity="rowwise"), torch.bfloat16)
+        >>> y.dtype, bool(((y.float() - x).abs() <= 0.07 * x.abs().amax(1, keepdim=True)).all())
+        (torch.bfloat16, True)
+    """
     if not isinstance(tensor, Float8Tensor):
         raise TypeError(f"kp_precision.dequantize: tensor must be a Float8Tensor, got {type(tensor).__name__}")
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -134,7 +171,31 @@ def scaled_mm(
     use_fast_accum: as torch._scaled_mm's: False adds each 128-deep partial sum of Hopper's float8 tensor cores to
     the float32 sum (their own accumulator is narrower); True lets them sum all of K, faster and less exact. A
     precise call with scales constant along K runs on torch._scaled_mm where it takes the case (it is faster
-    there); see kp_precision.ops.scaled_mm. float8_e5m2 x float8_e5m2 is refused, as torch._scaled_mm does."""
+    there); see kp_precision.ops.scaled_mm. float8_e5m2 x float8_e5m2 is refused, as torch._scaled_mm does.
+
+    Args:
+        a: (M, K), float8_e4m3fn or float8_e5m2, row-major.
+        b: (K, N), float8_e4m3fn or float8_e5m2, column-major, a's device.
+        scale_a: float32, a shape listed above.
+        scale_b: float32, a shape listed above.
+        bias: (N,), float32 or out_dtype.
+        out_dtype: bfloat16, float16 or float32.
+
+    Returns:
+        (M, N) in out_dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> x, w = torch.randn(32, 128), torch.randn(64, 128)  # activations (M, K), weight (N, K)
+        >>> qx = kp_precision.quantize(x, granularity="rowwise")  # scale (M, 1)
+        >>> qw = kp_precision.quantize(w, granularity="rowwise")  # scale (N, 1)
+        >>> y = kp_precision.scaled_mm(
+        ...     qx.data, qw.data.t(), qx.scale, qw.scale.t(), bias=torch.zeros(64), activation="relu"
+        ... )
+        >>> y.shape, y.dtype
+        (torch.Size([32, 64]), torch.bfloat16)
+    """
     kp_core.check_tensor(_MM, "a", a, dtypes=FP8_DTYPES, ndim=2)
     kp_core.check_tensor(_MM, "b", b, dtypes=FP8_DTYPES, ndim=2, device=a.device)
     m, k = a.shape
@@ -171,7 +232,21 @@ def mx_quantize(input: torch.Tensor, elem: str = "fp8_e4m3") -> MXTensor:
     """`input` (..., K) in an MX format (OCP Microscaling v1.0): blocks of 32 along the last dim (K a multiple
     of 32), each with a power-of-two E8M0 scale from its amax (floor(log2 amax) minus the element format's
     largest exponent) and elements rounded to nearest-even with saturation. `elem`: 'fp8_e4m3', 'fp8_e5m2'
-    (MXFP8) or 'fp4_e2m1' (MXFP4)."""
+    (MXFP8) or 'fp4_e2m1' (MXFP4).
+
+    Args:
+        input: (*, K), K a multiple of 32; float16, bfloat16 or float32.
+
+    Returns:
+        An MXTensor: data (*, K) float8 (or (*, K / 2) uint8 for fp4_e2m1), scale (*, K / 32) uint8.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> m = kp_precision.mx_quantize(torch.randn(64, 128), "fp4_e2m1")
+        >>> m.data.shape, m.data.dtype, m.scale.shape, m.shape
+        (torch.Size([64, 64]), torch.uint8, torch.Size([64, 4]), torch.Size([64, 128]))
+    """
     kp_core.check_tensor(_MX, "input", input, dtypes=DTYPES, min_ndim=1)
     if elem not in mx.ELEMENTS:
         raise ValueError(f"{_MX}: elem must be one of {tuple(mx.ELEMENTS)}, got {elem!r}")
@@ -182,7 +257,23 @@ def mx_quantize(input: torch.Tensor, elem: str = "fp8_e4m3") -> MXTensor:
 
 
 def mx_dequantize(tensor: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """elements * 2**(scale - 127) per block, rounded once to `dtype`."""
+    """elements * 2**(scale - 127) per block, rounded once to `dtype`.
+
+    Args:
+        tensor: an MXTensor, as mx_quantize returns it.
+        dtype: float16, bfloat16 or float32.
+
+    Returns:
+        tensor.shape (*, K), `dtype`.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> x = torch.tensor([1.0, -0.5, 2.0, 0.25]).repeat(16).reshape(2, 32)  # representable: exact
+        >>> y = kp_precision.mx_dequantize(kp_precision.mx_quantize(x, "fp8_e4m3"))
+        >>> y.shape, y.dtype, torch.equal(y, x)
+        (torch.Size([2, 32]), torch.float32, True)
+    """
     _check_mx("kp_precision.mx_dequantize", "tensor", tensor)
     if dtype not in DTYPES:
         raise TypeError(f"kp_precision.mx_dequantize: dtype must be float16, bfloat16 or float32, got {dtype}")
@@ -202,7 +293,24 @@ def mx_matmul(a: MXTensor, b: MXTensor, *, out_dtype: torch.dtype = torch.bfloat
     """a (M, K) @ b (N, K).T for MX operands blocked along K (b as a weight is stored: (out, in)): per 32-deep
     block, the exact dot product of the elements times both scales, summed in float32. On Hopper this is an
     emulation (elements decoded in registers, TF32 tensor cores, exact for every MX element); hardware with MX
-    tensor cores could take the same operands as they are."""
+    tensor cores could take the same operands as they are.
+
+    Args:
+        a: an MXTensor of shape (M, K), any element format.
+        b: an MXTensor of shape (N, K), on a's device.
+        out_dtype: bfloat16, float16 or float32.
+
+    Returns:
+        (M, N) in out_dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> a = kp_precision.mx_quantize(torch.randn(32, 128))
+        >>> w = kp_precision.mx_quantize(torch.randn(64, 128), "fp4_e2m1")  # a weight as stored: (out, in)
+        >>> kp_precision.mx_matmul(a, w, out_dtype=torch.float32).shape
+        torch.Size([32, 64])
+    """
     _check_mx("kp_precision.mx_matmul", "a", a)
     _check_mx("kp_precision.mx_matmul", "b", b)
     if a.scale.dim() != 2 or b.scale.dim() != 2 or a.scale.shape[1] != b.scale.shape[1]:
@@ -236,7 +344,28 @@ def fake_quantize(input: torch.Tensor, dtype: str = "int8", *, group_size: int |
 
     'int8' / 'int4': symmetric integers, scale = amax / 127 (or 7) per group of `group_size` elements of the last
     dim (None: per row), round half to even, clamp to [-128, 127] ([-8, 7]). 'fp8': float8 e4m3fn with a scale
-    per row (kp_precision.quantize's rowwise recipe). The result has input's dtype."""
+    per row (kp_precision.quantize's rowwise recipe). The result has input's dtype.
+
+    Args:
+        input: (*, K), float16, bfloat16 or float32. Per-row integer scales take K up to a limit (set group_size
+            beyond it).
+        dtype: "int8", "int4" or "fp8".
+        group_size: a power of two in [8, 1024] dividing K (integer formats only), or None.
+
+    Returns:
+        input's shape and dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> w = torch.randn(64, 128, requires_grad=True)
+        >>> q = kp_precision.fake_quantize(w, "int4", group_size=32)
+        >>> q.shape, int(torch.unique(q[0, :32]).numel()) <= 16  # 16 levels per group
+        (torch.Size([64, 128]), True)
+        >>> q.sum().backward()  # straight through: the gradient is passed as it came
+        >>> bool((w.grad == 1).all())
+        True
+    """
     kp_core.check_tensor(_FQ, "input", input, dtypes=DTYPES, min_ndim=1)
     if dtype not in QAT_FORMATS:
         raise ValueError(f"{_FQ}: dtype must be one of {tuple(QAT_FORMATS)}, got {dtype!r}")
@@ -268,7 +397,25 @@ def linear_activation(
 ) -> torch.Tensor:
     """act(input @ weight.T + bias) for float16 / bfloat16, as F.linear then the activation, with the bias and
     activation ('relu', 'gelu', 'gelu_tanh', 'silu' or None) in the GEMM's epilogue: the sum in float32, one
-    rounding. Differentiable: the backward takes act' from the saved pre-activation in one pass, then cuBLAS."""
+    rounding. Differentiable: the backward takes act' from the saved pre-activation in one pass, then cuBLAS.
+
+    Args:
+        input: (*, K), float16 or bfloat16.
+        weight: (N, K), input's dtype and device.
+        bias: (N,), input's dtype and device.
+
+    Returns:
+        (*, N), input's dtype.
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> import kp_precision
+        >>> x, w, b = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16), None
+        >>> y = kp_precision.linear_activation(x, w, b, "silu")
+        >>> y.shape, torch.allclose(y.float(), F.silu(F.linear(x, w).float()), rtol=0.02, atol=0.02)
+        (torch.Size([8, 32]), True)
+    """
     kp_core.check_tensor(_LA, "input", input, dtypes=la.DTYPES, min_ndim=1)
     kp_core.check_tensor(_LA, "weight", weight, ndim=2, device=input.device)
     kp_core.check_same_dtype(_LA, "weight", weight, input, "input")

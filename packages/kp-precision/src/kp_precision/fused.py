@@ -10,7 +10,25 @@ from kp_precision.shared import autocast_dtype
 
 class FusedLinearActivation(nn.Linear):
     """act(x @ weight.T + bias) with kp_precision.linear_activation (float16 / bfloat16). Parameters and state_dict
-    are nn.Linear's; `from_linear(linear, activation)` shares a layer's parameters."""
+    are nn.Linear's; `from_linear(linear, activation)` shares a layer's parameters.
+
+    Args:
+        in_features: as nn.Linear's.
+        out_features: as nn.Linear's.
+        bias: as nn.Linear's.
+        device: as nn.Linear's.
+        dtype: float16 or bfloat16 (or any dtype, used under autocast to one of them).
+        activation: "relu", "gelu", "gelu_tanh", "silu" or None.
+
+    The forward takes (*, in_features) in the parameters' dtype and returns (*, out_features).
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> layer = kp_precision.FusedLinearActivation(64, 32, dtype=torch.bfloat16, activation="silu")
+        >>> layer(torch.randn(4, 64, dtype=torch.bfloat16)).shape
+        torch.Size([4, 32])
+    """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, activation="gelu"):
         by_name("FusedLinearActivation", activation, (None, *ACTIVATIONS))  # checked here, not at the first call

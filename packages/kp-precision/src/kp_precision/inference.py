@@ -24,7 +24,28 @@ class Float8InferenceLinear(nn.Module):
     State: `weight` (float8, (out_features, in_features)), `weight_scale` (float32, scale_b of scaled_mm for
     weight.t()) and `bias` (the original dtype). An nn.Linear's state_dict loads into it (the weight is cast on
     load); `from_linear` converts one layer. `activation` ('relu', 'gelu', 'gelu_tanh', 'silu') is fused into the
-    matmul's epilogue."""
+    matmul's epilogue.
+
+    Args:
+        in_features: a multiple of 16.
+        out_features: a multiple of 16.
+        bias: whether it has a bias (frozen).
+        device: where the weight and bias live.
+        dtype: the bias's dtype.
+        recipe: the activations' cast: "tensorwise", "rowwise" or "blockwise" (and the weight's scales to match).
+        activation: None, "relu", "gelu", "gelu_tanh" or "silu".
+
+    The forward takes (*, in_features) in float16, bfloat16 or float32 and returns (*, out_features) in its dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> layer = kp_precision.Float8InferenceLinear.from_linear(torch.nn.Linear(64, 32), activation="relu")
+        >>> layer.weight.dtype, layer.weight_scale.shape
+        (torch.float8_e4m3fn, torch.Size([1, 32]))
+        >>> layer(torch.randn(4, 64, dtype=torch.bfloat16)).dtype
+        torch.bfloat16
+    """
 
     def __init__(
         self, in_features, out_features, bias=True, device=None, dtype=None, *, recipe="rowwise", activation=None

@@ -30,7 +30,28 @@ def check_formats(caller, weight, activation, group_size, weight_arg="weight"):
 class QATLinear(nn.Linear):
     """nn.Linear that trains through fake quantisation: the weight as `weight_dtype` ('int8', 'int4' per group
     of `group_size`, 'fp8' per row) and, with `activation` ('int8' or 'fp8'), the input per row (per token).
-    Parameters and state_dict are nn.Linear's."""
+    Parameters and state_dict are nn.Linear's.
+
+    Args:
+        in_features: as nn.Linear's; a multiple of group_size.
+        out_features: as nn.Linear's.
+        bias: as nn.Linear's.
+        device: as nn.Linear's.
+        dtype: as nn.Linear's.
+        weight_dtype: "int8", "int4" or "fp8".
+        group_size: the weight's scale groups along in_features (None: per row); integer formats only.
+        activation: None, "int8" or "fp8".
+
+    The forward takes (*, in_features) in float16, bfloat16 or float32 and returns (*, out_features) in its dtype.
+    `QATLinear.from_linear(linear, **kwargs)` shares a layer's parameters.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> layer = kp_precision.QATLinear(64, 32, weight_dtype="int4", group_size=32, activation="int8")
+        >>> layer(torch.randn(4, 64)).shape
+        torch.Size([4, 32])
+    """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, weight_dtype="int4",
                  group_size=32, activation=None):  # fmt: skip
@@ -63,7 +84,24 @@ class QATLinear(nn.Linear):
 class QuantizedLinear(nn.Module):
     """A converted QATLinear: `qweight` (int8 (N, K); int4 two per uint8 (N, K/2), the first in the low nibble;
     or float8 e4m3fn (N, K)), `weight_scale` (float32, one per group or row), `bias`. The forward dequantises the
-    weight to the input's dtype (what QATLinear's fake quant gave) and fake-quantises activations as it did."""
+    weight to the input's dtype (what QATLinear's fake quant gave) and fake-quantises activations as it did.
+
+    Args:
+        qat: the trained QATLinear.
+
+    The forward takes (*, in_features) in float16, bfloat16 or float32 and returns (*, out_features) in its dtype.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> trained = kp_precision.QATLinear(64, 32)  # int4 weights, groups of 32
+        >>> layer = kp_precision.QuantizedLinear(trained)
+        >>> layer.qweight.dtype, layer.qweight.shape, layer.weight_scale.shape
+        (torch.uint8, torch.Size([32, 32]), torch.Size([32, 2]))
+        >>> x = torch.randn(4, 64)
+        >>> torch.allclose(layer(x), trained(x))
+        True
+    """
 
     def __init__(self, qat: QATLinear):
         if not isinstance(qat, QATLinear):

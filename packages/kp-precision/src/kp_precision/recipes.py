@@ -29,7 +29,24 @@ class Float8Config:
     gradient matmuls always add every 128-deep partial sum to float32: see kp_precision.scaled_mm) and
     `fsdp_float8_all_gather` (under FSDP2, each rank casts its weight shard to float8 before the all-gather, which
     then moves half the bytes of bf16, and the forward uses the gathered float8 weight: tensorwise, dynamic scaling
-    only; see kp_precision.fsdp)."""
+    only; see kp_precision.fsdp).
+
+    Frozen; invalid combinations raise when it is made. `gradient` is the gradient's float8 dtype and `pow2`
+    whether scales are powers of two, with the defaults resolved.
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> config = kp_precision.Float8Config(recipe="rowwise")
+        >>> config.gradient, config.pow2
+        (torch.float8_e4m3fn, True)
+        >>> kp_precision.Float8Config(scaling="delayed", history_len=32).gradient
+        torch.float8_e5m2
+        >>> kp_precision.Float8Config(recipe="rowwise", scaling="delayed")
+        Traceback (most recent call last):
+            ...
+        ValueError: Float8Config: delayed scaling is for the tensorwise recipe, got 'rowwise'
+    """
 
     recipe: str = "tensorwise"
     scaling: str = "dynamic"

@@ -86,7 +86,31 @@ class Float8Linear(nn.Linear):
     their names and the state_dict are nn.Linear's: `Float8Linear.from_linear(lin)` shares lin's parameters,
     and state_dicts load both ways. With `fsdp_float8_all_gather` the weight is a new Parameter over the same
     data, a Float8AllGatherWeight (convert before building the optimizer). The config is read when the layer is
-    built (its recipe object, its delayed scaling's buffers)."""
+    built (its recipe object, its delayed scaling's buffers).
+
+    Args:
+        in_features: a multiple of 16.
+        out_features: a multiple of 16.
+        bias: as nn.Linear's.
+        device: as nn.Linear's.
+        dtype: the parameters' dtype (float16, bfloat16 or float32).
+        config: a Float8Config (the default: tensorwise, dynamic scaling).
+
+    The forward takes (*, in_features) in float16, bfloat16 or float32 and returns (*, out_features) in its
+    dtype (under autocast, the autocast dtype).
+
+    Examples:
+        >>> import torch
+        >>> import kp_precision
+        >>> layer = kp_precision.Float8Linear(64, 32, config=kp_precision.Float8Config(recipe="rowwise"))
+        >>> x = torch.randn(10, 64, requires_grad=True)
+        >>> layer(x).sum().backward()  # three float8 matmuls: forward, grad input, grad weight
+        >>> x.grad.shape, layer.weight.grad.shape
+        (torch.Size([10, 64]), torch.Size([32, 64]))
+        >>> shared = kp_precision.Float8Linear.from_linear(linear := torch.nn.Linear(64, 32))
+        >>> shared.weight is linear.weight
+        True
+    """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, config=None):
         if config is not None and not isinstance(config, Float8Config):

@@ -67,7 +67,29 @@ def _check_route(route: str) -> str:
 
 class SparseActivationLinear(nn.Linear):
     """nn.Linear whose input is made 2:4 along in_features each call (module docstring); `route` "sparse" (the
-    packed input on sparse tensor cores) or "dense" (the same numbers through the dense matmul)."""
+    packed input on sparse tensor cores) or "dense" (the same numbers through the dense matmul).
+
+    Args:
+        in_features: a multiple of 4 (of 64 for route "sparse").
+        out_features: as nn.Linear's (a multiple of 16 for route "sparse").
+        bias: as nn.Linear's.
+        device: as nn.Linear's.
+        dtype: as nn.Linear's.
+        route: "dense" or "sparse" (float16 / bfloat16 on a CUDA device).
+
+    The forward takes (*, in_features) and returns (*, out_features). `from_dense(linear, route=...)` shares an
+    nn.Linear's parameters.
+
+    Examples:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> import kp_sparsity
+        >>> layer = kp_sparsity.SparseActivationLinear(128, 64)
+        >>> x = torch.randn(8, 128)
+        >>> x_s = x * kp_sparsity.mask_2_4(x)  # per token, the 2 largest |x| of every 4 features
+        >>> torch.allclose(layer(x), F.linear(x_s, layer.weight, layer.bias), atol=1e-6)
+        True
+    """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, route="dense"):
         if in_features % 4:

@@ -20,7 +20,27 @@ from kp_sparsity.shared import eligible, time_ms
 
 
 class SparseLinear(nn.Module):
-    """y = x W^T + b with W a 2:4 semi-structured sparse weight (torch's subclass), inference only."""
+    """y = x W^T + b with W a 2:4 semi-structured sparse weight (torch's subclass), inference only.
+
+    Args:
+        weight: (out_features, in_features): one of torch's semi-structured sparse tensors (to_sparse_2_4), or a
+            dense tensor already pruned to 2:4.
+        bias: (out_features,), or None.
+        in_features: the input's last dim.
+        out_features: the output's last dim.
+
+    `SparseLinear.from_dense(linear, column_scale=None, backend=None, alg_id=None)` prunes and packs an
+    nn.Linear. The forward takes (*, in_features) in the weight's dtype (float16 or bfloat16 for a sparse
+    weight) on a GPU with sparse tensor cores.
+
+    Examples:
+        >>> import torch
+        >>> import kp_sparsity
+        >>> dense = torch.nn.Linear(4096, 4096, dtype=torch.bfloat16, device="cuda")  # needs a GPU
+        >>> layer = kp_sparsity.SparseLinear.from_dense(dense)
+        >>> layer(torch.randn(2048, 4096, dtype=torch.bfloat16, device="cuda")).shape
+        torch.Size([2048, 4096])
+    """
 
     def __init__(self, weight, bias: torch.Tensor | None, in_features: int, out_features: int):
         kp_core.check_tensor("SparseLinear", "weight", weight)  # a dense 2:4 tensor or torch's sparse subclass
@@ -58,6 +78,26 @@ class SparseLinear(nn.Module):
 
 @dataclasses.dataclass
 class Decision:
+    """What sparsify or sparsify_for_training did with one layer.
+
+    Attributes:
+        name: the layer's name in the model.
+        shape: its weight's (out_features, in_features).
+        route: "sparse", "dense", or "unchanged" (not converted; `why` says why).
+        dense_ms: the dense timing where measured (route "auto"), else None.
+        sparse_ms: the 2:4 timing where measured, else None.
+        why: the reason for the route.
+        alg_id: the cuSPARSELt algorithm the router picked, or None.
+
+    Examples:
+        >>> import torch
+        >>> import kp_sparsity
+        >>> model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 128))
+        >>> decisions = kp_sparsity.sparsify(model, route="dense")
+        >>> decisions[0]
+        Decision(name='0', shape=(64, 128), route='dense', dense_ms=None, sparse_ms=None, why='', alg_id=None)
+    """
+
     name: str
     shape: tuple[int, int]
     route: str  # "sparse" or "dense"
@@ -147,7 +187,23 @@ def sparsify(
     iterable of model inputs, a tensor or a tuple of positional arguments per batch). route "auto" measures
     dense and 2:4 F.linear at `tokens` rows per distinct layer shape and keeps dense where 2:4 is not faster;
     "sparse" / "dense" force one. Returns one Decision per layer considered (why a layer was skipped, or which
-    kernel it got and the times measured)."""
+    kernel it got and the times measured).
+
+    Examples:
+        On a CPU, route "dense" prunes the weights in place (the model then computes what the 2:4 model does):
+
+        >>> import torch
+        >>> import kp_sparsity
+        >>> model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 128))
+        >>> [d.route for d in kp_sparsity.sparsify(model, route="dense")]
+        ['dense', 'dense']
+        >>> int((model[0].weight != 0).view(64, 32, 4).sum(-1).max())
+        2
+        >>> batches = [torch.randn(16, 128) for _ in range(4)]  # Wanda: calibration inputs weigh |w|
+        >>> model = torch.nn.Sequential(torch.nn.Linear(128, 64))
+        >>> [d.route for d in kp_sparsity.sparsify(model, method="wanda", calibration=batches, route="dense")]
+        ['dense']
+    """
     kp_core.check_module("sparsify", "model", model)
     kp_core.check_callable("sparsify", "module_filter_fn", module_filter_fn)
     if method not in ("magnitude", "wanda"):

@@ -92,7 +92,28 @@ class _Linear24(torch.autograd.Function):
 class SparseTrainingLinear(nn.Linear):
     """nn.Linear trained with a runtime 2:4 weight (module docstring): `mask` (bool buffer, saved in state_dicts),
     `mask_every`, `decay`, `route` ("sparse": packed for sparse tensor cores each step; "dense": the same numbers
-    through the dense matmul)."""
+    through the dense matmul).
+
+    Args:
+        in_features: a multiple of 4 (of 64 for route "sparse").
+        out_features: a multiple of 4 (of 64 for route "sparse").
+        bias: as nn.Linear's.
+        device: as nn.Linear's.
+        dtype: as nn.Linear's.
+        mask_every: recompute the mask every this many training forwards, or None for a fixed mask.
+        decay: SR-STE's decay of the pruned weights (mask_every not None).
+
+    The forward takes (*, in_features) and returns (*, out_features); route "sparse" needs float16 / bfloat16
+    compute on a CUDA device. `from_dense(linear, mask_every=..., decay=...)` shares an nn.Linear's parameters.
+
+    Examples:
+        >>> import torch
+        >>> import kp_sparsity
+        >>> layer = kp_sparsity.SparseTrainingLinear(128, 64, mask_every=None)  # a fixed mask: weights pruned now
+        >>> layer(torch.randn(4, 128)).sum().backward()
+        >>> int((layer.weight != 0).view(64, 32, 4).sum(-1).max()), layer.mask.dtype
+        (2, torch.bool)
+    """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, mask_every=1, decay=2e-4):
         super().__init__(in_features, out_features, bias, device, dtype)
@@ -209,7 +230,21 @@ def sparsify_for_training(
     layer's output meets a dense one's in an elementwise op (a gated MLP's gate and up projections) torch's kernel
     for mismatched layouts cost more than the layer gained (H100: a Llama MLP block with gate and up sparse, down
     dense, 0.86x dense; all three sparse, 1.06x). 2:4 activations (row-major products) are decided per layer.
-    Layers that cannot run 2:4 stay dense either way. Returns one Decision per layer considered."""
+    Layers that cannot run 2:4 stay dense either way. Returns one Decision per layer considered.
+
+    Examples:
+        >>> import torch
+        >>> import kp_sparsity
+        >>> model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 128))
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> decisions = kp_sparsity.sparsify_for_training(
+        ...     model, route="dense", activation_filter_fn=lambda module, name: name == "2"
+        ... )
+        >>> type(model[0]).__name__, type(model[2]).__name__
+        ('SparseTrainingLinear', 'SparseActivationLinear')
+        >>> model(torch.randn(8, 128)).sum().backward()
+        >>> optimizer.step()  # the optimizer made before steps the same parameters
+    """
     kp_core.check_module("sparsify_for_training", "model", model)
     for arg, fn in (("module_filter_fn", module_filter_fn), ("activation_filter_fn", activation_filter_fn)):
         kp_core.check_callable("sparsify_for_training", arg, fn)

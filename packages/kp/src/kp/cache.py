@@ -11,7 +11,15 @@ from pathlib import Path
 
 
 def path() -> Path:
-    """$KP_CACHE_DIR/optimize.json, else ~/.cache/kp/optimize.json ($XDG_CACHE_HOME respected)."""
+    """$KP_CACHE_DIR/optimize.json, else ~/.cache/kp/optimize.json ($XDG_CACHE_HOME respected).
+
+    Exported as kp.cache_path. Delete the file to make kp.optimize time every layer again.
+
+    Examples:
+        >>> import kp
+        >>> kp.cache_path().name
+        'optimize.json'
+    """
     root = os.environ.get("KP_CACHE_DIR")
     if root is None:
         root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kp"

@@ -231,7 +231,18 @@ def _attention_switch(gain_ms: float) -> Swap:
 
 
 def restore(model: nn.Module) -> list[str]:
-    """Undo what kp.optimize changed in `model`; returns the layers put back (the same module objects)."""
+    """Undo what kp.optimize changed in `model`; returns the layers put back (the same module objects).
+
+    Examples:
+        >>> import torch
+        >>> import kp
+        >>> norm = torch.nn.RMSNorm(64)
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), norm)
+        >>> report = kp.optimize(model, (torch.randn(8, 64),), report=False)
+        >>> restored = kp.restore(model)  # the names of the layers it had changed
+        >>> model[1] is norm, kp.restore(model)
+        (True, [])
+    """
     kp_core.check_module("kp.restore", "model", model)
     undo = model.__dict__.pop(_UNDO, [])
     for _, fn in reversed(undo):
@@ -277,7 +288,21 @@ def optimize(
     weighed against what torch.compile makes of PyTorch's; kp.rank0_timer(timer) makes every rank choose alike.
     check_rows: rows of each layer's input used for the float64 check. cache: reuse the times measured for the
     same layers, versions and GPU (file: kp.cache.path()); on a hit only the candidate about to be chosen is
-    checked again."""
+    checked again. report: print the report's table.
+
+    example_inputs are what the model takes (tensors of any dtype it computes in); every layer is checked on
+    them against float64, and in "train" mode the model's float outputs are summed for the backward.
+
+    Examples:
+        >>> import torch
+        >>> import kp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.RMSNorm(64))
+        >>> report = kp.optimize(model, (torch.randn(8, 64),), report=False)  # in place
+        >>> [(layer.name, layer.kind) for layer in report.layers]
+        [('0', 'linear'), ('1', 'rms_norm')]
+        >>> changed = report.chosen  # layer -> candidate kept: on a GPU, where kp's layer was faster
+        >>> undone = kp.restore(model)
+    """
     start = time.perf_counter()
     example_inputs = _arguments("optimize", model, example_inputs, mode, allow, deny, loss_budget, check_rows)
     if not isinstance(min_speedup, (int, float)) or min_speedup < 1:
@@ -502,7 +527,20 @@ def check(
     report: bool = True,
 ) -> Report:
     """kp.optimize's checks alone: every candidate on every layer against float64, nothing timed, the model left
-    as it is. A candidate's row says "checked" (it passes), "refused" (with its error) or "not applicable"."""
+    as it is. A candidate's row says "checked" (it passes), "refused" (with its error) or "not applicable".
+
+    The arguments are kp.optimize's.
+
+    Examples:
+        >>> import torch
+        >>> import kp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.RMSNorm(64))
+        >>> report = kp.check(model, (torch.randn(8, 64),), report=False)
+        >>> [(t.name, t.status) for t in report.layers[1].tried]  # the RMSNorm: kp's passes the rule
+        [('kp_norms.RMSNorm', 'checked')]
+        >>> [t.name for t in report.layers[0].tried]  # the Linear: float8 candidates, within loss_budget or refused
+        ['float8 tensorwise', 'float8 rowwise']
+    """
     start = time.perf_counter()
     example_inputs = _arguments("check", model, example_inputs, mode, allow, deny, loss_budget, check_rows)
     result = Report(mode, environment(), action="check")

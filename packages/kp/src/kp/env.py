@@ -11,7 +11,18 @@ PACKAGES = ("kp_core", "kp_norms", "kp_attention", "kp_precision", "kp_sparsity"
 
 
 def environment() -> dict:
-    """The device and every version a measured decision depends on."""
+    """The device and every version a measured decision depends on.
+
+    Keys: torch, triton and each kp package's version (None where not installed); on a GPU device, capability
+    and cuda; elsewhere device "cpu" and the backend kp's ops take there ("interpret" or "reference").
+
+    Examples:
+        >>> import torch
+        >>> import kp
+        >>> env = kp.environment()
+        >>> env["torch"] == torch.__version__, "kp_norms" in env
+        (True, True)
+    """
     import kp_core
 
     out = {"torch": torch.__version__, "triton": _version("triton")}
@@ -49,6 +60,19 @@ def usable() -> dict[str, str]:
 
 
 def describe() -> str:
+    """What `kp env` prints: kp.environment(), the GPU count, and per capability (Triton kernels, float8 and 2:4
+    matmuls, CUDA graphs, transformers patching) whether it can run here and why not.
+
+    Examples:
+        >>> import kp
+        >>> print(kp.describe())  # doctest: +ELLIPSIS
+        torch: ...
+        triton: ...
+        kp_core: ...
+        ...
+        CUDA graphs: ...
+        transformers patching: ...
+    """
     lines = [f"{k}: {v}" for k, v in environment().items()]
     if torch.cuda.is_available():
         lines.append(f"GPUs: {torch.cuda.device_count()}")

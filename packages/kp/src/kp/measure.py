@@ -28,7 +28,17 @@ def timer_name(timer: Timer) -> str:
 
 
 def default_timer(site: str, candidate: str, fn: Callable[[], object]) -> float:
-    """kp_core.median_ms: CUDA events on a GPU, wall time elsewhere (there the figure only orders candidates)."""
+    """kp_core.median_ms: CUDA events on a GPU, wall time elsewhere (there the figure only orders candidates).
+
+    A timer: (layer name, candidate name, fn) -> ms, what kp.optimize's `timer` takes (its default).
+
+    Examples:
+        >>> import torch
+        >>> import kp
+        >>> x = torch.randn(256, 256)
+        >>> kp.default_timer("model.layers.0.mlp", "torch", lambda: x @ x) > 0
+        True
+    """
     return kp_core.median_ms(fn)
 
 
@@ -37,7 +47,16 @@ def graph_timer(site: str, candidate: str, fn: Callable[[], object]) -> float:
     For a model that will run under torch.compile or CUDA graphs and keep the GPU busy, where the host's cost of
     launching each kernel (kp's ops are launched from Python) overlaps the GPU's work instead of adding to it;
     default_timer counts it. Falls back to default_timer off a GPU and when fn cannot be captured (a host sync
-    inside, an op that cannot be captured), for that call only."""
+    inside, an op that cannot be captured), for that call only.
+
+    Examples:
+        >>> import torch
+        >>> import kp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.RMSNorm(64))
+        >>> report = kp.optimize(model, (torch.randn(8, 64),), timer=kp.graph_timer, report=False)
+        >>> kp.graph_timer("layer", "torch", lambda: model(torch.randn(8, 64))) > 0  # off a GPU: default_timer
+        True
+    """
     if not torch.cuda.is_available():
         return default_timer(site, candidate, fn)
     side = torch.cuda.Stream()
@@ -70,7 +89,16 @@ def compiled_timer(timer: Timer | None = None, step_timer: Timer | None = None, 
     graph replay). So kp's layers are weighed against what inductor makes of PyTorch's, fusions and host costs
     included. Every whole-step timing compiles afresh, under its own code object: no entry of dynamo's cache is
     reused or counted against its recompile limit. kp.optimize undoes its choices family by family with this timer
-    (norms, glu, float8, ...), not layer by layer: each timing is a compile."""
+    (norms, glu, float8, ...), not layer by layer: each timing is a compile.
+
+    Pass what it returns as kp.optimize's `timer`.
+
+    Examples:
+        >>> import kp
+        >>> timer = kp.compiled_timer(mode="max-autotune-no-cudagraphs")
+        >>> timer.__qualname__
+        "compiled_timer(graph_timer, default_timer, mode='max-autotune-no-cudagraphs')"
+    """
     inner, outer = timer or graph_timer, step_timer or default_timer
     for name, value in (("timer", inner), ("step_timer", outer)):
         if not callable(value):
@@ -97,7 +125,24 @@ def rank0_timer(timer: Timer | None = None, group=None) -> Timer:
     example batch on each): every rank times fn with `timer` (default_timer) on its own device, and every rank
     takes rank 0's figure (a broadcast), so every rank makes the same choices and keeps the same model, as
     sharding it afterwards needs. Collective: kp.optimize refuses it with its disk cache on (a rank's cache hit
-    would skip a timing the other ranks make)."""
+    would skip a timing the other ranks make).
+
+    Examples:
+        In a script started with `torchrun --nproc-per-node 2 train.py` (here two CPU processes, gloo), before
+        sharding the model:
+
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> import kp
+        >>> dist.init_process_group("gloo")
+        >>> _ = torch.manual_seed(0)  # the same model and batch on every rank
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.RMSNorm(64))
+        >>> report = kp.optimize(model, (torch.randn(8, 64),), timer=kp.rank0_timer(), cache=False, report=False)
+        >>> chosen = [report.chosen]
+        >>> dist.broadcast_object_list(chosen, src=0)  # rank 0's choices
+        >>> chosen[0] == report.chosen  # every rank chose alike
+        True
+    """
     import torch.distributed as dist
 
     inner = timer or default_timer

@@ -9,7 +9,24 @@ from pathlib import Path
 
 @dataclasses.dataclass
 class Tried:
-    """One candidate on one layer."""
+    """One candidate on one layer.
+
+    Attributes:
+        name: the candidate's name ("kp_norms.RMSNorm", "float8 rowwise", ...).
+        status: "chosen", "slower", "refused", "not applicable", "reverted" or "checked".
+        ms: its measured time, or None.
+        peak_mib: its measured peak memory in MiB, or None.
+        error: the check's worst line (error against float64, and the bound or budget).
+        note: anything else said about it.
+
+    Examples:
+        >>> import torch
+        >>> import kp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.RMSNorm(64))
+        >>> report = kp.check(model, (torch.randn(8, 64),), report=False)
+        >>> [(t.name, t.status) for t in report.layers[1].tried]
+        [('kp_norms.RMSNorm', 'checked')]
+    """
 
     name: str
     status: str  # "chosen", "slower", "refused", "not applicable", "reverted", "checked"
@@ -21,6 +38,27 @@ class Tried:
 
 @dataclasses.dataclass
 class Layer:
+    """One layer kp has candidates for, in a Report.
+
+    Attributes:
+        name: the layer's name in the model ("model.layers.0.mlp").
+        kind: what it is ("linear", "rms_norm", "layer_norm", "gated_mlp", "attention", ...).
+        torch_ms: PyTorch's own layer's time, or None (kp.check times nothing).
+        tried: a Tried per candidate.
+        choice: the chosen candidate's name, or "torch".
+        why: the reason for the choice.
+        cached: whether the times came from the cache (kp.cache_path()).
+        torch_peak_mib: PyTorch's layer's peak memory in MiB, or None.
+
+    Examples:
+        >>> import torch
+        >>> import kp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.RMSNorm(64))
+        >>> report = kp.check(model, (torch.randn(8, 64),), report=False)
+        >>> [(layer.name, layer.kind, layer.choice) for layer in report.layers]
+        [('0', 'linear', 'torch'), ('1', 'rms_norm', 'torch')]
+    """
+
     name: str
     kind: str
     torch_ms: float | None
@@ -33,6 +71,31 @@ class Layer:
 
 @dataclasses.dataclass
 class Report:
+    """What kp.optimize or kp.check did: per layer, every candidate tried and the choice, with the reasons.
+
+    Attributes:
+        mode: "train" or "infer".
+        environment: kp.environment() of the run.
+        action: "optimize" or "check".
+        layers: a Layer per layer considered.
+        step: the whole step's times (torch_ms, kp_ms, the layers reverted to keep it from being slower).
+        seconds: the call's own time.
+        chosen: layer name -> the candidate kept, for the layers changed.
+
+    `text()` is the terminal table kp.optimize prints, `markdown()` the same as markdown, `to_dict()` /
+    `to_json()` the data, `save(prefix)` writes prefix.json and prefix.md.
+
+    Examples:
+        >>> import torch
+        >>> import kp
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.RMSNorm(64))
+        >>> report = kp.check(model, (torch.randn(8, 64),), report=False)
+        >>> report.action, report.mode, report.chosen
+        ('check', 'train', {})
+        >>> sorted(report.to_dict())
+        ['action', 'environment', 'layers', 'mode', 'seconds', 'step']
+    """
+
     mode: str
     environment: dict
     action: str = "optimize"  # or "check": nothing timed, nothing changed
@@ -42,15 +105,19 @@ class Report:
 
     @property
     def chosen(self) -> dict[str, str]:
+        """Layer name -> the candidate kept, for the layers changed."""
         return {layer.name: layer.choice for layer in self.layers if layer.choice != "torch"}
 
     def to_dict(self) -> dict:
+        """The whole report as plain data (dataclasses.asdict)."""
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
+        """to_dict() as JSON."""
         return json.dumps(self.to_dict(), indent=1)
 
     def rows(self) -> list[list[str]]:
+        """The table's rows: per layer, one per candidate tried, then PyTorch's own."""
         rows = []
         for layer in self.layers:
             for t in layer.tried:
@@ -63,6 +130,7 @@ class Report:
         return rows
 
     def text(self) -> str:
+        """The terminal table kp.optimize and kp.check print."""
         head = list(HEAD)
         rows = [head, *self.rows()]
         widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(head) - 1)]
@@ -77,6 +145,7 @@ class Report:
         return "\n".join(lines)
 
     def markdown(self) -> str:
+        """The table as a markdown page."""
         head = list(HEAD)
         lines = [
             f"# kp.{self.action} ({self.mode})",

@@ -82,9 +82,11 @@ def launch_tiles(kernel: str, block_d: int, element_size: int, device: torch.dev
 @functools.lru_cache(maxsize=256)
 def _tiles_for(kernel: str, block_d: int, element_size: int, device_type: str, _generation: int) -> dict:
     """Launch settings of one kernel; `kp_core.pin(kernel, block_m=.., ...)` overrides them (benchmark sweeps).
-    The interpreter gets small tiles, so tests cross several block boundaries quickly."""
+    The interpreter gets 64 x 64 tiles: the specs' lengths (up to 257) still cross several block boundaries, and
+    each interpreted step costs about the same at 64 as at 32 (numpy on a tile), so a call takes about a quarter
+    of the steps."""
     if device_type != "cuda":
-        tile = (32, 32, 4, 1)
+        tile = (64, 64, 4, 1)
     elif kernel == "_attn_bwd_preprocess":
         tile = (64, 1, 4, 1)
     elif element_size == 4:

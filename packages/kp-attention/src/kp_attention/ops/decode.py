@@ -28,6 +28,7 @@ if kp_core.has_triton():
     from kp_attention.ops import decode_kernels as kernels
 
 OP = "kp::flash_attention_with_kvcache"
+FN = "kp_attention.flash_attention_with_kvcache"  # errors name the function the user called
 PACKAGE = "kp-attention"
 SPEC = "decode"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -145,7 +146,7 @@ def _report(flag: _Flag) -> None:
         flag.host.zero_()
         flag.device.zero_()
         raise ValueError(
-            f"{OP}: an earlier call had cache_seqlens, cache_leftpad or block_table values outside the cache (its "
+            f"{FN}: an earlier call had cache_seqlens, cache_leftpad or block_table values outside the cache (its "
             "rows came out NaN, its new k / v were not written) or, through kp_attention.flash_attn, rotary "
             "positions past rotary_cos's rows (clamped); set kp_attention.ops.decode.VALIDATE_VALUES = "
             '"sync" to raise in that call'
@@ -194,15 +195,15 @@ def _check_values(cache_seqlens, new, capacity, block_table, page, num_blocks, l
         stats.append(((leftpad < 0) | (leftpad > cache_seqlens)).sum().to(lo.dtype))
     stats = torch.stack(stats).tolist()
     if stats[0] < 0:
-        raise ValueError(f"{OP}: cache_seqlens must be >= 0, got a minimum of {stats[0]}")
+        raise ValueError(f"{FN}: cache_seqlens must be >= 0, got a minimum of {stats[0]}")
     if stats[1] + new > capacity:
         raise ValueError(
-            f"{OP}: cache_seqlens ({stats[1]} at most) plus new tokens ({new}) exceed the cache's {capacity} slots"
+            f"{FN}: cache_seqlens ({stats[1]} at most) plus new tokens ({new}) exceed the cache's {capacity} slots"
         )
     if block_table is not None and stats[2]:
-        raise ValueError(f"{OP}: block_table has {stats[2]} block ids in use outside [0, {num_blocks})")
+        raise ValueError(f"{FN}: block_table has {stats[2]} block ids in use outside [0, {num_blocks})")
     if leftpad is not None and stats[-1]:
-        raise ValueError(f"{OP}: cache_leftpad has {stats[-1]} values outside [0, cache_seqlens]")
+        raise ValueError(f"{FN}: cache_leftpad has {stats[-1]} values outside [0, cache_seqlens]")
 
 
 # ---- the cache update and the reference path ----
@@ -325,7 +326,7 @@ def forward(
         ("cache_leftpad", cache_leftpad),
     ):
         if t is not None and t.device != q.device:
-            kp_core.check_same_device(OP, q=q, **{name: t})
+            kp_core.check_same_device(FN, q=q, **{name: t})
     batch, sq, hq, d = q.shape
     num_blocks, page, hkv, _ = k_cache.shape
     paged = block_table is not None

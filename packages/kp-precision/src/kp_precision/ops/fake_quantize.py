@@ -64,7 +64,7 @@ def forward(x: torch.Tensor, qmax: int, group: int) -> torch.Tensor:
     bk = kp_core.next_power_of_2(k) if group == 0 else max(group, min(1024, kp_core.next_power_of_2(k)))
     bm = max(1, elements // bk)
     grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
-    kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
+    kp_core.check_index_fits("kp_precision.fake_quantize", "the launch grid (programs)", grid)
     consts = dict(QMAX=float(qmax), EPS=EPS, GROUP=group or bk, BLOCK_M=bm, BLOCK_K=bk)
     args = (x2, x2.stride(0), y2, y2.stride(0), m, k)
     kp_core.launch(OP, backend, kernels._fake_quantize, (grid,), args, consts, warps)

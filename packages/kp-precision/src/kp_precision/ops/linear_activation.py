@@ -73,7 +73,7 @@ def forward(
     s = kp_core.settings("_linear_activation", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     one = torch.ones((), device=x.device)
     grid = kp_core.cdiv(m, s["block_m"]) * kp_core.cdiv(n, s["block_n"])
-    kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
+    kp_core.check_index_fits("kp_precision.linear_activation", "the launch grid (programs)", grid)
     args = (x, x.stride(0), weight, weight.stride(0), one, 0, 0, one, 0, 0)
     args += (y if bias is None else bias, y, y.stride(0), y if pre is None else pre, m, n, k)
     consts = dict(SA_ROWS=1, SA_K=False, SB_COLS=1, SB_K=False, SCALE_K=128, HAS_BIAS=bias is not None)

@@ -152,7 +152,7 @@ def forward(
     sa, sa_m, sa_k = _scale_view(scale_a, "a")
     sb, sb_n, sb_k = _scale_view(scale_b, "b")
     grid = kp_core.cdiv(m, bm) * kp_core.cdiv(n, bn)
-    kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
+    kp_core.check_index_fits("kp_precision.scaled_mm", "the launch grid (programs)", grid)
     bt = b.t()  # (N, K) row-major: B's columns are its rows
     a_in, b_in = (a.view(torch.uint8), bt.view(torch.uint8)) if soft else (a, bt)
     args = (a_in, a.stride(0), b_in, bt.stride(0), sa, sa_m, sa_k, sb, sb_k, sb_n)

@@ -63,7 +63,7 @@ def forward(weight: torch.Tensor, mask: torch.Tensor, transpose: bool) -> tuple[
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     mask = mask.contiguous()
     grid = (m // BLOCK) * (k // BLOCK)
-    kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
+    kp_core.check_index_fits("kp_sparsity.to_sparse_2_4", "the launch grid (programs)", grid)
 
     def meta_of(t, rows, cols):
         return t.view(torch.int16).view(-1)[rows * cols // 2 :]

@@ -97,7 +97,7 @@ def forward(
         t = kp_core.settings("_prune_2_4", block_m=TILE[0], block_k=TILE[1], num_warps=TILE[2])
         bm, bk, warps = t["block_m"], t["block_k"], t["num_warps"]
     grid = kp_core.cdiv(m, bm) * kp_core.cdiv(k, bk)
-    kp_core.check_index_fits(OP, "the launch grid (programs)", grid)
+    kp_core.check_index_fits("kp_sparsity.prune_2_4", "the launch grid (programs)", grid)
     dummy = weight  # stands for an output the call does not write (its constexpr switch is off)
     args = (
         weight,
