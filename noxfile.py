@@ -106,9 +106,18 @@ def _cpu_env() -> dict[str, str]:
 @nox.session(python="3.11", tags=["ci"])
 def lint(session: nox.Session) -> None:
     if _installing(session):
-        session.install("ruff>=0.6", "pytest>=8")
+        session.install("ruff>=0.6", "pytest>=8", "check-jsonschema")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # The workflows against GitHub's workflow schema (check-jsonschema vendors it). actionlint checks more (shell,
+    # expressions), but its PyPI package only builds by downloading the binary from GitHub, so it runs where it is
+    # installed.
+    workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
+    session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
+    if shutil.which("actionlint"):
+        session.run("actionlint", *workflows, external=True)
+    else:
+        session.log("actionlint not installed here: workflows checked against the schema only")
     session.run("python", str(ROOT / "docs" / "check_imports.py"))  # no import circles or private imports
     # the benchmark regression check's own tests: JSON only, no torch, a few seconds
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "benchmarks" / "tests"))
