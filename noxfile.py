@@ -128,16 +128,20 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """One package's own tests, in a venv holding only that package and kp-core (and TESTED_WITH's)."""
     _install_torch(session)
+    _package_tests(session, package, _cpu_env(), "--durations=10")
+
+
+def _package_tests(session: nox.Session, package: str, env: dict[str, str], *pytest_args: str) -> None:
+    """Install what `package`'s tests use beside torch (tests and floors share it), then run them on 2 workers."""
     if _installing(session):
         if package in ("kp-norms", "kp-attention", "kp-distributed", "kp"):  # tiny transformers models
             session.install(*HF_DEPS)
         if package in ("kp-norms", "kp-attention"):  # their patch tests' tolerance rule
             session.install("--no-deps", str(ROOT / "conformance"))
-    env = _install_packages(session, *dict.fromkeys(["kp-core", package, *TESTED_WITH.get(package, ())]))
-    env.update(_cpu_env())
+    env = {**_install_packages(session, *dict.fromkeys(["kp-core", package, *TESTED_WITH.get(package, ())])), **env}
     tests = str(ROOT / "packages" / package / "tests")
     workers = ("-n", os.environ.get("KP_WORKERS", "2"))
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, tests, "--durations=10", env=env)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, tests, *pytest_args, env=env)
 
 
 # The declared floors (requires-python, torch, triton): the oldest each package says it works with. PyPI serves
@@ -154,15 +158,7 @@ def floors(session: nox.Session, package: str) -> None:
     """A package's own tests at the declared floors: Python 3.10, torch 2.6, triton 3.2 (not in the default set:
     torch 2.6's CUDA build is a 4 GB install). nox -s floors -- -k name (pytest options)."""
     session.install(FLOORS["torch"], FLOORS["triton"], "numpy", *TEST_DEPS)
-    if package in ("kp-norms", "kp-attention", "kp-distributed", "kp"):
-        session.install(*HF_DEPS)
-    if package in ("kp-norms", "kp-attention"):
-        session.install("--no-deps", str(ROOT / "conformance"))
-    _install_packages(session, *dict.fromkeys(["kp-core", package, *TESTED_WITH.get(package, ())]))
-    tests = str(ROOT / "packages" / package / "tests")
-    workers = ("-n", os.environ.get("KP_WORKERS", "2"))
-    env = {"TRITON_INTERPRET": "1"}
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, tests, *session.posargs, env=env)
+    _package_tests(session, package, {"TRITON_INTERPRET": "1"}, *session.posargs)
 
 
 @nox.session(python="3.11", tags=["ci"])
