@@ -30,7 +30,7 @@ PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproje
 TORCH = os.environ.get("KP_TORCH", "torch==2.13.0")
 TORCH_INDEX = os.environ.get("KP_TORCH_INDEX")
 KERNEL_DEPS = ("triton>=3.2", "numpy")
-TEST_DEPS = ("pytest>=8", "pytest-xdist", "hypothesis>=6.100")
+TEST_DEPS = ("pytest>=8", "pytest-xdist>=3.2", "hypothesis>=6.100")
 OPINFO_DEPS = ("expecttest",)  # torch's op_db (the opinfo spec's samples) imports it
 HF_DEPS = ("transformers>=4.45",)  # kp-norms' "hf" extra (kp_norms.patch on Hugging Face models)
 # kp-distributed's tests also shard a model built from the kernel packages (its code imports none of them)
@@ -170,7 +170,8 @@ def conformance(session: nox.Session) -> None:
     env = _install_packages(session, *PACKAGES)
     env.update(_cpu_env())
     env.setdefault("KP_TIER", os.environ.get("KP_TIER", "small"))
-    workers = session.posargs or ["-n", os.environ.get("KP_WORKERS", "2")]
+    # worksteal: an idle worker takes tests queued on a busy one, so a few long cells do not leave workers idle
+    workers = session.posargs or ["-n", os.environ.get("KP_WORKERS", "2"), "--dist", "worksteal"]
     session.run(
         "python",
         "-m",

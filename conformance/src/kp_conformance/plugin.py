@@ -41,6 +41,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "conformance(kernel, prop): a conformance matrix cell")
     if os.environ.get("KP_REPORT_RESUME") == "1" and not hasattr(config, "workerinput"):
         _resume()
+    _share_cores()
+
+
+def _share_cores() -> None:
+    """Under xdist each worker's torch starts a thread per core (16 workers on 16 cores: 256 threads for the
+    float64 references and the inputs). Each worker gets its share of the cores unless OMP_NUM_THREADS is set."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def _identity() -> dict:

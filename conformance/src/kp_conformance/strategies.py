@@ -68,8 +68,9 @@ def cols(tier: Tier) -> st.SearchStrategy[int]:
 
 
 @st.composite
-def row_shapes(draw, tier: Tier) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(full input shape, normalized_shape): 0-2 leading dims and a 1- or 2-dim normalised part."""
+def row_shapes(draw, tier: Tier, max_rows: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(full input shape, normalized_shape): 0-2 leading dims and a 1- or 2-dim normalised part; `max_rows` caps
+    the rows (the leading dims' product) below what the tier's element budget allows."""
     n = draw(cols(tier))
     norm: tuple[int, ...] = (n,)
     if n > 1 and draw(st.booleans()):
@@ -77,7 +78,7 @@ def row_shapes(draw, tier: Tier) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if split:
             d = draw(st.sampled_from(split))
             norm = (d, n // d)
-    max_rows = max(1, tier.max_numel // n)
+    max_rows = max(1, min(tier.max_numel // n, max_rows or tier.max_numel))
     rows = draw(st.one_of(st.sampled_from([r for r in AWKWARD_ROWS if r <= max_rows]), st.integers(1, max_rows)))
     lead: tuple[int, ...] = (rows,)
     if rows > 1 and draw(st.booleans()):
