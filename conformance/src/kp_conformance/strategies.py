@@ -78,8 +78,8 @@ def row_shapes(draw, tier: Tier, max_rows: int | None = None) -> tuple[tuple[int
         if split:
             d = draw(st.sampled_from(split))
             norm = (d, n // d)
-    max_rows = max(1, min(tier.max_numel // n, max_rows or tier.max_numel))
-    rows = draw(st.one_of(st.sampled_from([r for r in AWKWARD_ROWS if r <= max_rows]), st.integers(1, max_rows)))
+    cap = max(1, tier.max_numel // n if max_rows is None else min(tier.max_numel // n, max_rows))
+    rows = draw(st.one_of(st.sampled_from([r for r in AWKWARD_ROWS if r <= cap]), st.integers(1, cap)))
     lead: tuple[int, ...] = (rows,)
     if rows > 1 and draw(st.booleans()):
         for d in (2, 3, 5, 7):
