@@ -146,7 +146,8 @@ def _package_tests(session: nox.Session, package: str, env: dict[str, str], *pyt
 
 # The declared floors (requires-python, torch, triton): the oldest each package says it works with. PyPI serves
 # torch 2.6 only as its CUDA build (the CPU build alone is not on the registry), whose CPU side runs here.
-FLOORS = {"python": "3.10", "torch": "torch==2.6.0", "triton": "triton==3.2.0"}
+# Triton before 3.7 needs NumPy < 2.4 under the interpreter (kp_core.interpreter_problem).
+FLOORS = {"python": "3.10", "torch": "torch==2.6.0", "triton": "triton==3.2.0", "numpy": "numpy<2.4"}
 _FLOOR_PYTHON = shutil.which(f"python{FLOORS['python']}") or next(
     iter(sorted(Path.home().glob(f".pyenv/versions/{FLOORS['python']}.*/bin/python{FLOORS['python']}"))), None
 )
@@ -157,7 +158,7 @@ _FLOOR_PYTHON = shutil.which(f"python{FLOORS['python']}") or next(
 def floors(session: nox.Session, package: str) -> None:
     """A package's own tests at the declared floors: Python 3.10, torch 2.6, triton 3.2 (not in the default set:
     torch 2.6's CUDA build is a 4 GB install). nox -s floors -- -k name (pytest options)."""
-    session.install(FLOORS["torch"], FLOORS["triton"], "numpy", *TEST_DEPS)
+    session.install(FLOORS["torch"], FLOORS["triton"], FLOORS["numpy"], *TEST_DEPS)
     _package_tests(session, package, {"TRITON_INTERPRET": "1"}, *session.posargs)
 
 

@@ -108,28 +108,28 @@ def _family(x: torch.Tensor, family: str, g: torch.Generator) -> torch.Tensor:
         return x
     n = x.shape[-1]
     if family == "offset":
-        return 1e3 * (1 + torch.rand(x.shape[:-1] + (1,), generator=g, dtype=x.dtype)) + 0.01 * x
+        return 1e3 * (1 + torch.rand(x.shape[:-1] + (1,), generator=g, dtype=x.dtype, device=x.device)) + 0.01 * x
     if family == "ramp":
-        return torch.linspace(-2.0, 3.0, n, dtype=x.dtype).expand(x.shape) + 0.01 * x
+        return torch.linspace(-2.0, 3.0, n, dtype=x.dtype, device=x.device).expand(x.shape) + 0.01 * x
     if family == "near_constant":
         return 3.0 + 3e-3 * x
     if family == "one_huge":
         x = x.contiguous().clone()
-        x[..., torch.randint(n, (1,), generator=g).item()] *= 1e3
+        x[..., torch.randint(n, (1,), generator=g, device=x.device).item()] *= 1e3
         return x
     if family == "tiny":
         return 1e-6 * x
     if family == "large":  # ignores the scale: the saturated range is what matters
         sign = torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
-        return sign * (10 + 40 * torch.rand(x.shape, generator=g, dtype=x.dtype))
+        return sign * (10 + 40 * torch.rand(x.shape, generator=g, dtype=x.dtype, device=x.device))
     if family == "zero_rows":
         x = x.contiguous().clone()
         if x.dim() > 1:
             x.view(-1, n)[::3] = 0.0
         return x
     if family == "mixed":
-        signs = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).to(x.dtype)
-        return x.abs() * signs * torch.logspace(-2, 2, n, dtype=x.dtype)
+        signs = torch.where(torch.arange(n, device=x.device) % 2 == 0, 1.0, -1.0).to(x.dtype)
+        return x.abs() * signs * torch.logspace(-2, 2, n, dtype=x.dtype, device=x.device)
     raise ValueError(family)
 
 
@@ -189,11 +189,13 @@ def make_input(
     family: str = "normal",
 ):
     """A tensor of `shape` in the requested memory layout: values from a seeded normal, shaped by `family`
-    (FAMILIES) along the last dim of `shape`."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    (FAMILIES) along the last dim of `shape`. Drawn on `device` (a seed gives other values on a GPU than on the
+    CPU): made on the host, a GPU run's large inputs cost more than its kernels."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(s, swapped=False):  # swapped: s is the transposed layout's storage, its last two dims swapped
-        x = torch.randn(s, generator=g, dtype=torch.float64) * scale
+        x = torch.randn(s, generator=g, dtype=torch.float64, device=device) * scale
         if swapped:
             x = _family(x.transpose(-1, -2).contiguous(), family, g).transpose(-1, -2).contiguous()
         else:

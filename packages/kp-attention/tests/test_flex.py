@@ -147,12 +147,19 @@ def test_matches_reference(case, dtype):
             check_close(name, a, w, lo.nan_to_num(0.0), dtype)
 
 
+def diagonal(b, h, q_idx, kv_idx):
+    return q_idx == kv_idx
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gradient_of_a_captured_tensor(dtype):
-    """A learnable relative-position bias gets its gradient from the kernels (atomics in the dQ kernel)."""
+@pytest.mark.parametrize("d, mask_mod", [(16, causal), (64, diagonal)], ids=["d16-causal", "d64-one-key"])
+def test_gradient_of_a_captured_tensor(dtype, d, mask_mod):
+    """A learnable relative-position bias gets its gradient from the kernels (atomics in the dQ kernel). With one
+    key per row, every row's bias gets P (dP - delta) with P = 1: exactly 0 in float64 and in PyTorch's fp16, so
+    delta must be the same sum as dP (exact delta), not rowsum(dO * O) summed in another order."""
     skip_if_not_covered(dtype, uses_dot=True)
-    q, k, v, dout = (randn(1, HEADS, s, 16, dtype=dtype, seed=i) for i, s in enumerate((S_Q, S_K, S_K, S_Q)))
-    mask = create_block_mask(causal, None, None, S_Q, S_K, DEVICE, 16)
+    q, k, v, dout = (randn(1, HEADS, s, d, dtype=dtype, seed=i) for i, s in enumerate((S_Q, S_K, S_K, S_Q)))
+    mask = create_block_mask(mask_mod, None, None, S_Q, S_K, DEVICE, 16)
     grads = {}
     for name, dt in (("ours", None), ("ref", torch.float64), ("low", dtype)):
         rel_bias, bias = make_bias(dtype)
@@ -161,7 +168,7 @@ def test_gradient_of_a_captured_tensor(dtype):
             with kp_core.record_launches() as rec:
                 out = flex_attention(*tensors, rel_bias, mask)
         else:
-            out = reference(*tensors, rel_bias, causal, dt)[0]
+            out = reference(*tensors, rel_bias, mask_mod, dt)[0]
         (out.double() * dout.double()).sum().backward()
         grads[name] = bias.grad
     assert rec.backends(flex.OP) == {KERNEL}

@@ -157,6 +157,40 @@ def test_interpreter_switched_on_after_the_kernels_were_defined_names_the_fix(tm
     assert "my_op: TRITON_INTERPRET=1 was set after kp's kernels were defined" in out.stdout, out.stderr
 
 
+@pytest.mark.parametrize(
+    "triton_version,numpy_version,broken",
+    [("3.6.0", "2.4.6", True), ("3.2.0", "2.4.0", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False)],
+)
+def test_an_interpreter_that_cannot_run_is_named_before_a_launch(monkeypatch, triton_version, numpy_version, broken):
+    """Triton < 3.7's interpreter fails inside any kernel with a runtime loop bound under NumPy >= 2.4; kp raises
+    the fix instead, before the kernel runs."""
+    triton = pytest.importorskip("triton")
+    import numpy
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    kp_core.interpreter_problem.cache_clear()
+    try:
+        problem = kp_core.interpreter_problem()
+        assert (problem is not None) == broken
+        if broken:
+            assert f"Triton {triton_version}'s interpreter" in problem and "pip install 'numpy<2.4'" in problem
+            if kp_core.interpreter_enabled():
+                import triton.language as tl
+
+                @triton.jit
+                def _ones(X, n, BLOCK: tl.constexpr):
+                    i = tl.arange(0, BLOCK)
+                    tl.store(X + i, tl.full((BLOCK,), 1.0, tl.float32), mask=i < n)
+
+                x = torch.zeros(4)
+                with pytest.raises(RuntimeError, match="op: Triton .* does not run with NumPy"):
+                    kp_core.launch("op", kp_core.INTERPRET, _ones, (1,), (x, 4), dict(BLOCK=4))
+                assert not x.any()
+    finally:
+        kp_core.interpreter_problem.cache_clear()
+
+
 def test_the_reference_path_is_said_once_in_the_package_log(caplog):
     with caplog.at_level(logging.INFO, logger="kp"):
         kp_core.reference("kp::made_up_op")

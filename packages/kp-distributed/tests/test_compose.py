@@ -37,6 +37,9 @@ def kernels_on(monkeypatch) -> str:
     if GPUS:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         return "triton"
+    problem = kp_core.interpreter_problem()
+    if problem is not None:  # e.g. a one-GPU image with Triton 3.6 and NumPy 2.4: CI's CPU run covers these
+        pytest.skip(f"not covered here: two CPU ranks run the kernels under Triton's interpreter, and {problem}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return "interpret"
 

@@ -10,6 +10,7 @@ from kp_core.backend import (
     forced_backend,
     has_triton,
     interpreter_enabled,
+    interpreter_problem,
 )
 from kp_core.checks import (
     FLOAT_DTYPES,
@@ -86,6 +87,7 @@ __all__ = [
     "forced_backend",
     "has_triton",
     "interpreter_enabled",
+    "interpreter_problem",
     "inlining_active",
     "launch",
     "median_ms",

@@ -44,6 +44,35 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=1)
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run kp's kernels here, or None when it can (cached).
+
+    Triton before 3.7 converts one-element arrays to Python ints (a loop over a runtime bound, `range(0, K, BLOCK)`)
+    in a way NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars", Triton issue 9171,
+    fixed in 3.7). Interpreted launches raise this message instead of Triton's.
+
+    Examples:
+        >>> import kp_core
+        >>> kp_core.interpreter_problem()  # Triton 3.9 with NumPy 2.4, or Triton 3.6 with NumPy 2.3
+    """
+    if not has_triton():
+        return None
+    import numpy
+    import triton
+
+    def version(text: str) -> tuple[int, int]:
+        major, minor = text.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+    if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
+        return (
+            f"Triton {triton.__version__}'s interpreter does not run with NumPy {numpy.__version__} (it needs "
+            "NumPy < 2.4 before Triton 3.7): pip install 'numpy<2.4' or 'triton>=3.7'"
+        )
+    return None
+
+
 def forced_backend() -> str:
     """KP_BACKEND's value ("auto", "reference" or "triton"); any other value is a ValueError.
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kp_core.backend import INTERPRET, REFERENCE
+from kp_core.backend import INTERPRET, REFERENCE, interpreter_problem
 
 
 @dataclass(frozen=True)
@@ -433,6 +433,9 @@ def _check_interpreted(op: str, kernel) -> None:
             f"{op}: TRITON_INTERPRET=1 was set after kp's kernels were defined (Triton reads it when a module "
             "imports): set it before importing any kp package, e.g. `TRITON_INTERPRET=1 python script.py`"
         )
+    problem = interpreter_problem()
+    if problem is not None:
+        raise RuntimeError(f"{op}: {problem}")
 
 
 def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plain=False) -> None:

@@ -340,7 +340,6 @@ def backward(
     bsz, hq, sq, d = q.shape
     sk, hkv = k.shape[2], k.shape[1]
     ieee = q.dtype == torch.float32
-    exact = exact_delta(q.dtype, d)
     (q, dq), (k, dk), (v, dv) = (_with_grad_buffer(t) for t in (q, k, v))
     # the generated backward adds into the captures that needed a gradient when traced (flex_codegen.Mod)
     wants = [kind[2] for kind in score.capture_kinds] if score is not None else []
@@ -350,6 +349,10 @@ def backward(
         torch.zeros(c.shape, dtype=acc, device=c.device) if c is not None and wants[i] else None
         for i, c in enumerate(score_caps)
     )
+    # A capture's gradient sums P (dP - delta) over whole rows, where the exact sum is 0 for a per-row constant:
+    # delta must be the same sum as dP (EXACT_DELTA), not rowsum(dO * O) in another order, whose one-ulp misses at
+    # |dP| add up across rows instead of cancelling (one key per row: 0 in float64 and PyTorch, 3.5e-6 without).
+    exact = exact_delta(q.dtype, d) or (not ieee and any(g is not None for g in grads))
     lse = lse.contiguous()
     delta = torch.empty_like(lse, dtype=torch.float64 if ieee else torch.float32)
     lse_fix = torch.empty_like(lse, dtype=torch.float64) if ieee else lse
