@@ -32,7 +32,12 @@ TORCH_INDEX = os.environ.get("KP_TORCH_INDEX")
 KERNEL_DEPS = ("triton>=3.2", "numpy")
 TEST_DEPS = ("pytest>=8", "pytest-xdist>=3.2", "hypothesis>=6.100")
 OPINFO_DEPS = ("expecttest",)  # torch's op_db (the opinfo spec's samples) imports it
+# The packages' build backend, in the tools layer: the sessions install the checkout's packages without pip's
+# isolated build environment, which installed hatchling afresh for each package (~8 s a package, 2 cores).
+# The release session builds in isolation, as a user's pip and the published artifacts do.
+BUILD_DEPS = ("hatchling>=1.27",)
 HF_DEPS = ("transformers>=4.45",)  # kp-norms' "hf" extra (kp_norms.patch on Hugging Face models)
+HF_TESTED = ("kp-norms", "kp-attention", "kp-distributed", "kp")  # tests with tiny transformers models
 # kp-distributed's tests also shard a model built from the kernel packages (its code imports none of them)
 TESTED_WITH = {"kp-distributed": ("kp-norms", "kp-attention", "kp-precision")}
 # The umbrella package `kp` depends on every other package.
@@ -73,20 +78,28 @@ def _use_layers(session: nox.Session, *layers: Path) -> None:
     (Path(purelib) / "kp_layers.pth").write_text("".join(f"{layer}\n" for layer in layers))
 
 
-def _install_torch(session: nox.Session) -> None:
-    """torch, triton and the test tools (pytest, xdist, Hypothesis, expecttest) in the session, from the layers."""
+def _install_torch(session: nox.Session, hf: bool = False) -> None:
+    """torch, triton, the test tools (pytest, xdist, Hypothesis, expecttest) and hatchling in the session, from the
+    layers; hf: transformers too (its own layer, seen only by the sessions that ask for it)."""
     if _installing(session):
-        _use_layers(
-            session,
+        layers = [
             _layer(session, "torch", TORCH),
-            _layer(session, "tools", *KERNEL_DEPS, *TEST_DEPS, *OPINFO_DEPS),
-        )
+            _layer(session, "tools", *KERNEL_DEPS, *TEST_DEPS, *OPINFO_DEPS, *BUILD_DEPS),
+        ]
+        if hf:
+            layers.append(_layer(session, "hf", *HF_DEPS))
+        _use_layers(session, *layers)
+
+
+def _install_local(session: nox.Session, *paths: Path) -> None:
+    """Install checkout folders (non-editable, no dependencies), built by the layers' hatchling."""
+    session.install("--no-deps", "--no-build-isolation", *(str(p) for p in paths))
 
 
 def _install_packages(session: nox.Session, *names: str) -> dict[str, str]:
     """Install packages/<name> (non-editable: what users get); without a venv, use the sources in place."""
     if _installing(session):
-        session.install("--no-deps", *(str(ROOT / "packages" / n) for n in names))
+        _install_local(session, *(ROOT / "packages" / n for n in names))
         return {}
     paths = [str(ROOT / "packages" / n / "src") for n in names] + [str(ROOT / "conformance" / "src")]
     return {"PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])}
@@ -127,21 +140,26 @@ def lint(session: nox.Session) -> None:
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """One package's own tests, in a venv holding only that package and kp-core (and TESTED_WITH's)."""
-    _install_torch(session)
+    _install_torch(session, hf=package in HF_TESTED)
     _package_tests(session, package, _cpu_env(), "--durations=10")
 
 
 def _package_tests(session: nox.Session, package: str, env: dict[str, str], *pytest_args: str) -> None:
     """Install what `package`'s tests use beside torch (tests and floors share it), then run them on 2 workers."""
     if _installing(session):
-        if package in ("kp-norms", "kp-attention", "kp-distributed", "kp"):  # tiny transformers models
-            session.install(*HF_DEPS)
         if package in ("kp-norms", "kp-attention"):  # their patch tests' tolerance rule
-            session.install("--no-deps", str(ROOT / "conformance"))
+            _install_local(session, ROOT / "conformance")
     env = {**_install_packages(session, *dict.fromkeys(["kp-core", package, *TESTED_WITH.get(package, ())])), **env}
     tests = str(ROOT / "packages" / package / "tests")
-    workers = ("-n", os.environ.get("KP_WORKERS", "2"))
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, tests, *pytest_args, env=env)
+    workers = os.environ.get("KP_WORKERS", "2")
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Each worker's torch its share of the cores: two workers of two threads each on 2 cores made tiny CPU
+        # ops wait on each other (the QAT recipe test: 5 s alone, 33 s beside another worker; kp-precision's
+        # tests 126 s -> 80 s with one thread each). The conformance plugin does the same for the specs.
+        count = int(workers) if workers.isdigit() else (os.cpu_count() or 1)  # -n auto: a worker per core
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, count)))
+    args = ("-q", "-p", "no:cacheprovider", "-n", workers, tests, *pytest_args)
+    session.run("python", "-m", "pytest", *args, env=env)
 
 
 # The declared floors (requires-python, torch, triton): the oldest each package says it works with. PyPI serves
@@ -158,7 +176,8 @@ _FLOOR_PYTHON = shutil.which(f"python{FLOORS['python']}") or next(
 def floors(session: nox.Session, package: str) -> None:
     """A package's own tests at the declared floors: Python 3.10, torch 2.6, triton 3.2 (not in the default set:
     torch 2.6's CUDA build is a 4 GB install). nox -s floors -- -k name (pytest options)."""
-    session.install(FLOORS["torch"], FLOORS["triton"], FLOORS["numpy"], *TEST_DEPS)
+    hf = HF_DEPS if package in HF_TESTED else ()
+    session.install(FLOORS["torch"], FLOORS["triton"], FLOORS["numpy"], *TEST_DEPS, *BUILD_DEPS, *hf)
     _package_tests(session, package, {"TRITON_INTERPRET": "1"}, *session.posargs)
 
 
@@ -167,7 +186,7 @@ def conformance(session: nox.Session) -> None:
     """All specs. KP_TIER picks the size tier (small by default; GPU runs use large)."""
     _install_torch(session)
     if _installing(session):
-        session.install("--no-deps", str(ROOT / "conformance"))
+        _install_local(session, ROOT / "conformance")
     env = _install_packages(session, *PACKAGES)
     env.update(_cpu_env())
     env.setdefault("KP_TIER", os.environ.get("KP_TIER", "small"))
@@ -198,7 +217,7 @@ def mutants(session: nox.Session) -> None:
     """
     _install_torch(session)
     if _installing(session):
-        session.install("--no-deps", str(ROOT / "conformance"))
+        _install_local(session, ROOT / "conformance")
     # The packages too: the spec registry, which maps a package to its specs, imports every spec and package.
     env = _install_packages(session, *PACKAGES)
     # Each mutant runs on its own copy of packages/ and conformance/, with their src folders on PYTHONPATH.
@@ -215,7 +234,7 @@ def memcheck(session: nox.Session) -> None:
     """
     _install_torch(session)
     if _installing(session):
-        session.install("--no-deps", str(ROOT / "conformance"))
+        _install_local(session, ROOT / "conformance")
     env = _install_packages(session, *PACKAGES)
     session.run("python", "-m", "kp_conformance.memcheck", "--root", str(ROOT), *session.posargs, env=env)
 
@@ -235,7 +254,7 @@ def fa_suite(session: nox.Session) -> None:
     _install_torch(session)
     if _installing(session):
         session.install("einops")
-        session.install("--no-deps", str(ROOT / "conformance"))
+        _install_local(session, ROOT / "conformance")
     env = _install_packages(session, "kp-core", "kp-attention")
     gpu = session.run("python", "-c", "import torch; print(torch.cuda.is_available())", silent=True, env=env)
     if "True" not in (gpu or ""):
@@ -664,9 +683,7 @@ def _report_problems(report: dict, name: str, extras: list[str], local: str) -> 
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """A small Llama-style model, eager vs kp-patched: outputs, gradients, time and peak memory."""
-    _install_torch(session)
-    if _installing(session):
-        session.install(*HF_DEPS)
+    _install_torch(session, hf=True)
     env = _install_packages(session, *PACKAGES)
     env.update(_cpu_env())
     session.run("python", str(ROOT / "benchmarks" / "demo.py"), *session.posargs, env=env)

@@ -135,6 +135,48 @@ def test_a_guard_launches_with_the_arguments_it_passes_on(monkeypatch):
     assert not x.any() and elsewhere.eq(1).all()
 
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+else:
+
+    @triton.jit
+    def _twice(x):
+        return x * 2.0
+
+    @triton.jit
+    def _loop(X, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), tl.float32)  # Triton's own helper: it sees triton.language.core
+        for _ in range(0, n):
+            acc = _twice(acc + 1.0)
+        tl.store(X + i, acc)
+
+
+def test_helpers_inside_an_interpreted_kernel_do_not_patch_the_language_again(monkeypatch):
+    """Triton's interpreter re-patched triton.language on every call of a @triton.jit helper; inside kp's launch
+    the launch's patch serves its helpers (kp_core.launches._patch_lang_once). The results stay Triton's."""
+    if triton is None or not kp_core.interpreter_enabled():
+        pytest.skip("needs Triton's interpreter on when this module was imported")
+    from triton.runtime import interpreter
+
+    x = torch.zeros(4)
+    kp_core.launch("op", kp_core.INTERPRET, _loop, (1,), (x, 6), dict(BLOCK=4))  # Triton's first-time imports
+    assert x.eq(126.0).all()  # ((((((0+1)2+1)2+1)2+1)2+1)2+1)2
+    calls = []
+    real = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: calls.append(1) or real(*a))
+    counts = []
+    for n in (1, 12):  # the launch's patch and tl.zeros' (it sees triton.language.core), whatever n is
+        calls.clear()
+        kp_core.launch("op", kp_core.INTERPRET, _loop, (1,), (x, n), dict(BLOCK=4))
+        counts.append(len(calls))
+    assert counts[0] == counts[1], f"helper calls patched the language again: {counts}"
+    assert x.eq(2.0**13 - 2).all()
+
+
 def test_interpreter_switched_on_after_the_kernels_were_defined_names_the_fix(tmp_path):
     """Triton decides interpreted or compiled when a kernel is decorated; TRITON_INTERPRET=1 set later gave
     Triton's own "0 active drivers" error on CPU tensors. kp says what to do instead."""

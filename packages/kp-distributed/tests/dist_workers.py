@@ -1,10 +1,18 @@
-"""What each rank runs in kp-distributed's tests: real processes (torch.multiprocessing, spawn) on gloo, or on NCCL
-with a GPU each where a test asks for it, no mocks. spawn(world, fn, *args) runs fn(rank, world, *args) in `world`
-processes and returns their results by rank."""
+"""What each rank runs in kp-distributed's tests: real processes (torch.multiprocessing) on gloo, or on NCCL with a
+GPU each where a test asks for it, no mocks. spawn(world, fn, *args) runs fn(rank, world, *args) in `world`
+processes and returns their results by rank.
+
+The ranks start from a fork server that has imported torch once (each spawned rank imported it afresh: ~8 of
+the ~10 s a small test took on 2 cores). A forked rank gets the server's environment, not the test's, so each
+rank is handed the test's environment and imports fn only after taking it: TRITON_INTERPRET is read when the kp
+packages import. Nothing that reads the environment at import time is preloaded, and CUDA is not initialised
+in the server."""
 
 from __future__ import annotations
 
 import datetime
+import importlib
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -20,6 +28,7 @@ from torch import nn
 import kp_distributed
 
 TIMEOUT = datetime.timedelta(seconds=60)
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.multiprocessing"])
 
 
 class Block(nn.Module):
@@ -99,10 +108,13 @@ def make(seed=0, **kw):
     return Tiny(**kw)
 
 
-def _entry(rank, world, out, fn, args, backend):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _entry(rank, world, out, target, args, backend, env):
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
+        module, name = target
+        fn = getattr(importlib.import_module(module), name)
         # a file rendezvous (no port to collide with another test's), and a stuck collective fails in 60 s
         store = f"file://{Path(out) / 'store'}"
         if backend == "nccl":
@@ -121,11 +133,15 @@ def _entry(rank, world, out, fn, args, backend):
     os._exit(0)
 
 
+def _start(world: int, out: str, fn, args, backend: str):
+    target = (fn.__module__, fn.__qualname__)
+    entry_args = (world, out, target, args, backend, dict(os.environ))
+    return mp.start_processes(_entry, entry_args, nprocs=world, start_method="forkserver", join=False)
+
+
 def spawn(world: int, fn, *args, deadline: float = 180.0, backend: str = "gloo") -> list:
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(
-            _entry, (world, out, fn, args, backend), nprocs=world, start_method="spawn", join=False
-        )
+        ctx = _start(world, out, fn, args, backend)
         start = time.monotonic()
         while not ctx.join(timeout=1):
             if time.monotonic() - start > deadline:
@@ -143,7 +159,7 @@ def spawn_killed(world: int, fn, *args, deadline: float = 180.0) -> int:
     """Run fn as spawn does, where one rank kills itself with SIGKILL mid-run: torch.multiprocessing then ends the
     other ranks (as torchrun does). Returns the signal the dead rank got."""
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, (world, out, fn, args, "gloo"), nprocs=world, start_method="spawn", join=False)
+        ctx = _start(world, out, fn, args, "gloo")
         start = time.monotonic()
         try:
             while not ctx.join(timeout=1):

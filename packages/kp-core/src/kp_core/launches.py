@@ -421,6 +421,35 @@ def launch(
 # two threads interpreting at once break each other ("Did you forget to add @triton.jit ?"). Interpreted launches
 # take turns; compiled ones do not need to.
 _INTERPRETER = threading.Lock()
+_interpreting = {"launch": False, "patched": set()}  # the language modules patched for the current launch
+
+
+def _patch_lang_once() -> None:
+    """Triton's interpreter patches triton.language for a launch, then again on every call of a @triton.jit
+    helper inside it (Triton 3.6-3.9: inspect.getmembers over the language each time), though the modules are
+    already patched unless the helper sees one the launch did not (Triton's own helpers see triton.language.core).
+    kp's kernels call helpers in their inner loops: that repeat was a third of an interpreted training step's
+    time (cProfile, kp-distributed's composition test). Inside one of kp's interpreted launches a helper is
+    patched for only when it sees a language module not patched yet; everything else is Triton's own code."""
+    from triton import language
+    from triton.runtime import interpreter
+
+    real = interpreter._patch_lang
+    if getattr(real, "_kp_once", False) or not hasattr(interpreter, "_LangPatchScope"):
+        return  # done, or a Triton whose interpreter is shaped otherwise: leave it as it is
+    modules = (language, language.core)
+
+    def patch_lang(fn):
+        langs = {id(m) for m in fn.__globals__.values() if any(m is lang for lang in modules)}
+        if _interpreting["launch"] and langs <= _interpreting["patched"]:
+            return interpreter._LangPatchScope()  # nothing patched, nothing to restore
+        scope = real(fn)
+        if _interpreting["launch"]:
+            _interpreting["patched"] |= langs
+        return scope
+
+    patch_lang._kp_once = True
+    interpreter._patch_lang = patch_lang
 
 
 def _check_interpreted(op: str, kernel) -> None:
@@ -443,7 +472,12 @@ def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plai
         _check_interpreted(op, kernel)
         _check_order(kernel, args, consts)
         with _INTERPRETER:
-            kernel[grid](*args, **consts, **_options(num_warps, num_stages))
+            _patch_lang_once()
+            _interpreting.update(launch=True, patched=set())
+            try:
+                kernel[grid](*args, **consts, **_options(num_warps, num_stages))
+            finally:
+                _interpreting.update(launch=False, patched=set())
     elif not _FAST or plain:
         _check_order(kernel, args, consts)
         kernel[grid](*args, **consts, **_options(num_warps, num_stages))

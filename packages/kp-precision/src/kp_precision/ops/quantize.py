@@ -40,7 +40,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The interpreter runs programs one after another, so it gets 16x bigger tiles.
 TILES = {"_amax": (16384, 16), "_quantize_tensorwise": (4096, 4), "_quantize": (4096, 8), "_dequantize": (4096, 8)}
 INTERPRET_SCALE = 16
-# The transpose's square tile on a GPU (elements per side) and under the interpreter (small: tests cross tiles).
+# The transpose's square tile on a GPU (elements per side) and under the interpreter (small: tests cross tiles);
+# kp_core.pin("_transpose", block=...) overrides both (a power of two).
 TRANSPOSE_BLOCK = 64
 INTERPRET_TRANSPOSE_BLOCK = 16
 
@@ -266,6 +267,7 @@ def transpose(data: torch.Tensor) -> torch.Tensor:
         kp_core.reference(OP_T)
         return out.copy_(data.t())
     block = INTERPRET_TRANSPOSE_BLOCK if backend == kp_core.INTERPRET else TRANSPOSE_BLOCK
+    block = kp_core.settings("_transpose", block=block)["block"]
     grid = kp_core.cdiv(m, block) * kp_core.cdiv(n, block)
     kp_core.check_index_fits(OP_T, "the launch grid (programs)", grid)
     bits = _BITS[data.element_size()]
