@@ -48,6 +48,9 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
 
+LONGEST_FIRST = ("--dist", "load", "--maxschedchunk", "1")  # xdist options for the conformance plugin's order
+
+
 def _installing(session: nox.Session) -> bool:
     return session.venv_backend != "none"
 
@@ -190,8 +193,9 @@ def conformance(session: nox.Session) -> None:
     env = _install_packages(session, *PACKAGES)
     env.update(_cpu_env())
     env.setdefault("KP_TIER", os.environ.get("KP_TIER", "small"))
-    # worksteal: an idle worker takes tests queued on a busy one, so a few long cells do not leave workers idle
-    workers = session.posargs or ["-n", os.environ.get("KP_WORKERS", "2"), "--dist", "worksteal"]
+    # The plugin orders the tests longest first (by the report's durations); load with one test a dispatch hands
+    # each worker the next-longest as it frees up, so no long cell starts last
+    workers = session.posargs or ["-n", os.environ.get("KP_WORKERS", "2"), *LONGEST_FIRST]
     session.run(
         "python",
         "-m",

@@ -23,7 +23,7 @@ kc.declare(
         reference="the same strategy's draws before and after a local module full of literals is imported; "
         "the report of one run over the same files",
         dtypes=(),
-        properties=("reproducible_draws", "report_in_parts"),
+        properties=("reproducible_draws", "report_in_parts", "longest_first"),
     )
 )
 
@@ -141,3 +141,20 @@ def test_report_in_parts_is_one_runs_report(tmp_path, monkeypatch):
     monkeypatch.setenv("KP_REPORT_DIR", str(tmp_path / "parts"))
     with pytest.raises(pytest.UsageError, match="is not an earlier part of this run"):
         plugin._resume()
+
+
+@pytest.mark.conformance(kernel="tiers", prop="longest_first")
+def test_a_run_starts_its_longest_tests_first(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kp_conformance import plugin
+
+    items = [SimpleNamespace(nodeid=n) for n in ("a", "b", "c", "new", "d", "new2")]
+    monkeypatch.setenv("KP_REPORT_DIR", str(tmp_path))
+    path = plugin._report_path(plugin._identity())
+    plugin.pytest_collection_modifyitems(None, None, items)  # no report yet: the collected order
+    assert [i.nodeid for i in items] == ["a", "b", "c", "new", "d", "new2"]
+    path.write_text(json.dumps({"durations": {"a": 0.5, "b": 30.0, "c": 2.0, "d": 2.0, "gone": 99.0}}))
+    plugin.pytest_collection_modifyitems(None, None, items)
+    # unrecorded tests first (they may be long), then slowest first; ties keep the collected order
+    assert [i.nodeid for i in items] == ["new", "new2", "b", "c", "d", "a"]

@@ -12,6 +12,10 @@ part's launches.
 Each test's time (setup + call + teardown, seconds) goes into the report (`durations`, slowest first) so a tier's
 long tail is visible; KP_PROGRESS=FILE also appends a line per test as it starts and ends, which survives a run
 that is killed at a time limit (the tests started but never ended are the tail).
+
+A run starts its tests longest first, by the durations the existing report for its architecture and tier recorded
+(tests it has no time for first of all). With `--dist load --maxschedchunk 1` each xdist worker then takes the
+next-longest test as it frees up, so the long cells do not start last and hold the run's end.
 """
 
 from __future__ import annotations
@@ -42,6 +46,20 @@ def pytest_configure(config):
     if os.environ.get("KP_REPORT_RESUME") == "1" and not hasattr(config, "workerinput"):
         _resume()
     _share_cores()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    path = _report_path(_identity())
+    if path.exists():
+        items[:] = _longest_first(items, json.loads(path.read_text()).get("durations", {}))
+
+
+def _longest_first(items: list, durations: dict[str, float]) -> list:
+    """`items` by their recorded seconds, slowest first; those without a record ahead of all (they may be long),
+    in their collected order. Every xdist worker sorts the same collection the same way, as xdist requires."""
+    if not durations:
+        return list(items)
+    return sorted(items, key=lambda item: -durations.get(item.nodeid, float("inf")))
 
 
 def _share_cores() -> None:

@@ -469,8 +469,8 @@ def _check_interpreted(op: str, kernel) -> None:
 
 def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plain=False) -> None:
     if backend == INTERPRET:
+        _check_order(kernel, args, consts)  # the caller's mistake first, then the environment's
         _check_interpreted(op, kernel)
-        _check_order(kernel, args, consts)
         with _INTERPRETER:
             _patch_lang_once()
             _interpreting.update(launch=True, patched=set())
