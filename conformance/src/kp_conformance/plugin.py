@@ -11,7 +11,8 @@ part's launches.
 
 Each test's time (setup + call + teardown, seconds) goes into the report (`durations`, slowest first) so a tier's
 long tail is visible; KP_PROGRESS=FILE also appends a line per test as it starts and ends, which survives a run
-that is killed at a time limit (the tests started but never ended are the tail).
+that is killed at a time limit (the tests started but never ended are the tail), and a line as the session starts
+and ends (the time before the first test and after the last is the workers' start-up, collection and shutdown).
 
 A run starts its tests longest first, by the durations the existing report for its architecture and tier recorded
 (tests it has no time for first of all). With `--dist load --maxschedchunk 1` each xdist worker then takes the
@@ -136,6 +137,10 @@ def _progress(*fields) -> None:
             f.write("\t".join([f"{time.time():.2f}", *map(str, fields)]) + "\n")
 
 
+def pytest_sessionstart(session):
+    _progress("session", "start")  # to the first test's start: the workers' start-up and collection
+
+
 def pytest_runtest_logstart(nodeid, location):
     _progress("start", nodeid)
 
@@ -238,6 +243,7 @@ def pytest_sessionfinish(session, exitstatus):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     session.config._kp_report_path = path
+    _progress("session", "end")  # from the last test's end: the workers' shutdown and this report
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
