@@ -34,8 +34,8 @@ for step in "$@"; do
       if [ "$part" = a ]; then part_env=KP_CENSUS=defer; else part_env=KP_REPORT_RESUME=1; fi
       env "$part_env" PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=$tier timeout "$LIMIT" python3 -m pytest -q \
         -p no:cacheprovider --rootdir . --durations=25 -n "${WORKERS:-8}" --dist load --maxschedchunk 1 $files ;;
-    conformance-*) KP_TIER=${step#conformance-} timeout "$LIMIT" python3 -m nox --no-venv -s conformance -- \
-                      -n "${WORKERS:-16}" --dist load --maxschedchunk 1 ;;
+    conformance-*) KP_WORKERS=${WORKERS:-16} KP_TIER=${step#conformance-} timeout "$LIMIT" \
+                      python3 -m nox --no-venv -s conformance ;;
     spec-*) PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=${KP_TIER:-small} timeout "$LIMIT" python3 -m pytest -q \
               -p no:cacheprovider --rootdir . --durations=15 -n 8 "conformance/specs/test_${step#spec-}.py" ;;
     cpu) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/cpu_overhead.py ;;

@@ -58,8 +58,6 @@ def pytest_collection_modifyitems(session, config, items):
 def _longest_first(items: list, durations: dict[str, float]) -> list:
     """`items` by their recorded seconds, slowest first; those without a record ahead of all (they may be long),
     in their collected order. Every xdist worker sorts the same collection the same way, as xdist requires."""
-    if not durations:
-        return list(items)
     return sorted(items, key=lambda item: -durations.get(item.nodeid, float("inf")))
 
 

@@ -107,13 +107,18 @@ def test_launch_refuses_arguments_out_of_the_kernels_order(monkeypatch):
         kp_core.launch("op", kp_core.INTERPRET, _kernel, (1,), (x, 4), dict(SCALE=2, BLOCK=4))
 
 
+def _skip_where_the_interpreter_cannot_run() -> None:
+    problem = kp_core.interpreter_problem()
+    if problem is not None:
+        pytest.skip(problem)
+
+
 def test_a_guard_launches_with_the_arguments_it_passes_on(monkeypatch):
     triton = pytest.importorskip("triton")
     import triton.language as tl
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if kp_core.interpreter_problem():
-        pytest.skip(kp_core.interpreter_problem())
+    _skip_where_the_interpreter_cannot_run()
 
     @triton.jit
     def _ones(X, n, BLOCK: tl.constexpr):
@@ -240,8 +245,8 @@ def test_the_reference_path_is_said_once_in_the_package_log(caplog):
 def test_kp_log_switch(tmp_path, value, words):
     """KP_LOG=launches logs every launch (op, kernel, grid, shapes) to stderr; an unknown value is an error."""
     pytest.importorskip("triton")
-    if value == "launches" and kp_core.interpreter_problem():
-        pytest.skip(kp_core.interpreter_problem())
+    if value == "launches":
+        _skip_where_the_interpreter_cannot_run()
     script = tmp_path / "logged.py"
     script.write_text(
         "import torch, triton, kp_core\n"
