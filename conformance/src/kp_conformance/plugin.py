@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -63,12 +64,23 @@ def _longest_first(items: list, durations: dict[str, float]) -> list:
 
 def _share_cores() -> None:
     """Under xdist each worker's torch starts a thread per core (16 workers on 16 cores: 256 threads for the
-    float64 references and the inputs). Each worker gets its share of the cores unless OMP_NUM_THREADS is set."""
+    float64 references and the inputs), and each worker's Inductor a pool of compile processes per core (a
+    sidecar that imports torch, plus 16 forks: 272 processes, mostly idle, competing with the cold Triton
+    compiles). Each worker gets its share of the cores for both unless OMP_NUM_THREADS or
+    TORCHINDUCTOR_COMPILE_THREADS is set; a share of one compiles in the worker itself."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+    if workers <= 1:
+        return
+    share = max(1, (os.cpu_count() or 1) // workers)
+    if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(share)
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(share)  # read when Inductor's config is imported
+        inductor = sys.modules.get("torch._inductor.config")
+        if inductor is not None:  # already imported: its value was decided
+            inductor.compile_threads = share
 
 
 def _identity() -> dict:

@@ -8,6 +8,7 @@ kp-core itself runs where Triton is not installed.
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_core.activation import Activation
 from kp_core.kernel_constants import GELU_TANH_CUBIC, INV_SQRT_2PI, SQRT1_2, SQRT_2_OVER_PI
 
@@ -152,3 +153,6 @@ def act_grad(z, ACT: tl.constexpr):
         tensor([0., 1.])
     """
     return act(z, ACT, True)[1]
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -11,6 +11,8 @@ kernel modules only, so kp-core itself runs where Triton is not installed.
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
+
 
 @triton.jit
 def abs_bits(x):
@@ -97,3 +99,6 @@ def store_fp8(ptr, y, mask, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, SOFT: tl.
         tl.store(ptr, fp8_bits(y, E5M2), mask=mask)
     else:
         tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kp_core import jit_keys
 from kp_core.backend import INTERPRET, REFERENCE, interpreter_problem
 
 
@@ -403,6 +404,7 @@ def launch(
         100.0
     """
     if _inlining:
+        jit_keys.settle(kernel)
         torch.library.wrap_triton(kernel)[grid](*args, **consts, **_options(num_warps, num_stages))
         return
     if _guard is not None:
@@ -480,6 +482,7 @@ def _launch(op, backend, kernel, grid, args, consts, num_warps, num_stages, plai
                 _interpreting.update(launch=False, patched=set())
     elif not _FAST or plain:
         _check_order(kernel, args, consts)
+        jit_keys.settle(kernel)
         kernel[grid](*args, **consts, **_options(num_warps, num_stages))
     else:
         _launch_compiled(kernel, grid, args, consts, num_warps, num_stages)
@@ -505,6 +508,7 @@ def _launch_compiled(kernel, grid, args, consts, num_warps, num_stages) -> None:
     device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its Python wrapper
     first = args[0] if isinstance(args[0], torch.Tensor) else next(a for a in args if isinstance(a, torch.Tensor))
     if _active(t.hooks.launch_enter_hook) or _active(t.hooks.launch_exit_hook) or first.get_device() != device:
+        jit_keys.settle(kernel)
         with torch.cuda.device(first.device):
             kernel[grid](*args, **consts, **_options(num_warps, num_stages))
         return
@@ -514,6 +518,7 @@ def _launch_compiled(kernel, grid, args, consts, num_warps, num_stages) -> None:
     hit = _COMPILED.get(key)
     if hit is None:  # Triton's JIT compiles (or finds) the kernel and launches it this once
         _check_order(kernel, args, consts)
+        jit_keys.settle(kernel)  # its key the same in every process, so the on-disk cache finds it
         compiled = kernel[grid](*args, **consts, **_options(num_warps, num_stages))
         compiled._init_handles()
         _COMPILED[key] = (compiled.run, compiled.function, compiled.packed_metadata)

@@ -28,6 +28,7 @@ varlen (total, H, D) tensors run without copies. Varlen: batch b spans rows cu[b
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_core.kernel_constants import LOG2E
 
 # Triton >= 3.5 takes fp64 tl.dot operands (DMMA on sm80/sm90, FMA elsewhere); older Triton rejects them.
@@ -286,3 +287,6 @@ def region(REGION: tl.constexpr, lo, mid_lo, mid_hi, hi):
         start = mid_hi
         end = hi
     return start, end
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -32,6 +32,7 @@ from kp_attention.ops.attention_blocks import (
     scores,
     seq_bounds,
 )
+from kp_core import jit_keys
 
 
 @triton.jit
@@ -425,3 +426,6 @@ def _attn_bwd_dq(
         dq.to(DQ.dtype.element_ty),
         mask=q_mask,
     )
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from kp_attention.ops.attention_blocks import dot, mm
+from kp_core import jit_keys
 from kp_core.kernel_constants import LN2, LOG2E
 
 
@@ -312,3 +313,6 @@ def _decode_append(
         tl.store(K_CACHE + k_row + hh * stride_kh + offs_d * stride_kd, k, mask=m)
         v = tl.load(V_NEW + b * stride_mb + i * stride_ms + hh * stride_mh + offs_d * stride_md, mask=m)
         tl.store(V_CACHE + v_row + hh * stride_vh + offs_d * stride_vd, v, mask=m)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -4,6 +4,7 @@ PyTorch rounds them, tanh and sigmoid without libdevice, and a clamped index int
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_core.kernel_constants import LOG2E
 
 
@@ -44,3 +45,6 @@ def offset(META, j, i):
     i = tl.where(i < 0, i + n, i)
     i = tl.minimum(tl.maximum(i, 0), n - 1)
     return i * tl.load(META + 4 + j)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

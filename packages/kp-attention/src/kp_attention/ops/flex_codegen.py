@@ -36,6 +36,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from kp_core import jit_keys
+
 MAX_CAPTURES = 4
 MAX_CAPTURE_DIMS = 4
 META_STRIDE = 8  # per capture: 4 sizes, 4 strides
@@ -357,6 +359,7 @@ def _load(module_name: str, source: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
+    jit_keys.settle_module(vars(module))  # its functions' cache keys the same in every process (kp_core.jit_keys)
     return module
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kp_attention.ops.attention_blocks import dot, dropout_keep, mm, query_program, score_exp, score_units
+from kp_core import jit_keys
 from kp_core.kernel_constants import LN2
 
 
@@ -727,3 +728,6 @@ def _flex_block_classes(
         n_held = tl.sum(tl.sum(held, 1), 0)
         cls = tl.where(n_held == 0, 0, tl.where(n_held == n_seen, 2, 1))
         tl.store(out + kb, cls.to(tl.int8))
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

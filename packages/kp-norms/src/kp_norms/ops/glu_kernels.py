@@ -3,6 +3,7 @@
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_core.activation_kernels import act
 from kp_core.float8_kernels import abs_bits, multiplier, recip, store_fp8
 
@@ -121,3 +122,6 @@ def _glu_bwd(
     a, da = act(g, ACT, True)
     tl.store(DG + r * stride_dg + c, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + r * stride_du + c, (dy * a).to(DU.dtype.element_ty), mask=mask)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -14,6 +14,7 @@ they do not: its registers slow the fused backward down where rows are wide.
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_core.activation_kernels import NONE, act_fwd, act_grad
 from kp_core.float8_kernels import abs_bits, multiplier, recip, store_fp8
 
@@ -582,3 +583,6 @@ def _norm_bwd_sum(
         tl.store(DW + cols, _sum_rows(DW_PART, programs, N, cols, ok, BLOCK_P, ACC), mask=ok)
     if HAS_B:
         tl.store(DB + cols, _sum_rows(DB_PART, programs, N, cols, ok, BLOCK_P, ACC), mask=ok)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -3,6 +3,7 @@
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_precision.ops.kernel_helpers import tile_of
 
 
@@ -34,3 +35,6 @@ def _fake_quantize(
     r = tl.minimum(tl.maximum(r, -QMAX - 1.0), QMAX)
     y = tl.reshape(r * scale, (BLOCK_M, BLOCK_K))
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -8,6 +8,8 @@ fake_quantize_kernels and linear_activation_kernels call them.
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
+
 
 @triton.jit
 def tile_of(M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -39,3 +41,6 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     """The rows and columns of this program's tile of C (tile_origin's order)."""
     row, col = tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     return row + tl.arange(0, BLOCK_M), col + tl.arange(0, BLOCK_N)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -12,6 +12,7 @@ The activation (ACT: a kp_core.Activation value) and its derivative are kp_core.
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_core.activation_kernels import act_fwd, act_grad
 from kp_precision.ops.kernel_helpers import tile_origin
 
@@ -60,3 +61,6 @@ def _activation_grad(DY, Z, DZ, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(DZ + offs, (dy * act_grad(z, ACT)).to(DZ.dtype.element_ty), mask=mask)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -7,6 +7,7 @@ A block is 32 consecutive elements of a row; its scale is an E8M0 byte (2**(s - 
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_core.float8_kernels import abs_bits, fp8_value, minifloat_bits, minifloat_value
 from kp_precision.ops.kernel_helpers import grouped_tile, tile_of
 
@@ -155,3 +156,6 @@ def _mx_matmul(
         acc += part * sa[:, None] * sb[None, :]
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(C + rm.to(tl.int64)[:, None] * stride_c + rn[None, :], acc.to(C.dtype.element_ty), mask=mask)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -7,6 +7,7 @@ patterns and the cast saturates and rounds as kp_core.float8_kernels says (the h
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_core.float8_kernels import abs_bits, fp8_value, multiplier, recip, store_fp8
 from kp_precision.ops.kernel_helpers import tile_of
 
@@ -167,3 +168,6 @@ def _transpose(X, stride_x, Y, stride_y, M, N, BLOCK: tl.constexpr):
     x = tl.load(X + rm.to(tl.int64)[:, None] * stride_x + rn[None, :], mask=(rm < M)[:, None] & (rn < N)[None, :])
     mask = (rn < N)[:, None] & (rm < M)[None, :]
     tl.store(Y + rn.to(tl.int64)[:, None] * stride_y + rm[None, :], tl.trans(x), mask=mask)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -13,6 +13,7 @@ in registers. `_epilogue` is the same epilogue as a pass of its own, over a floa
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_core.activation_kernels import act_fwd
 from kp_core.float8_kernels import fp8_value
 from kp_precision.ops.kernel_helpers import grouped_tile
@@ -127,3 +128,6 @@ def _epilogue(C, BIAS, OUT, n, cols, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, 
     if HAS_BIAS:
         y += tl.load(BIAS + offs % cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + offs, act_fwd(y, ACT).to(OUT.dtype.element_ty), mask=mask)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -11,6 +11,7 @@ position) and the package tests compare kp's packing with it bit for bit.
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
 from kp_sparsity.ops.prune_kernels import kept_pairs, split4
 
 
@@ -53,3 +54,6 @@ def _pack_cusparselt(W, stride_w, MASK, OUT, META, OUT_T, META_T, M, K, BLOCK: t
     _store_compressed(w, keep, OUT, META, m0, k0, M, K)
     if TRANSPOSE:
         _store_compressed(tl.trans(w), tl.trans(keep), OUT_T, META_T, k0, m0, K, M)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)

@@ -9,6 +9,8 @@ CUTLASS's sparse GEMM reads (the 2 kept values of each group in index order, and
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
+
 
 @triton.jit
 def split4(t):
@@ -148,3 +150,6 @@ def _mask_2_4_transposable(
     keep = tl.permute(tl.reshape(bits, (BLOCK_M // 4, BLOCK_K // 4, 4, 4)), (0, 2, 1, 3))
     keep = tl.reshape(keep, (BLOCK_M, BLOCK_K))
     tl.store(MASK + rm.to(tl.int64)[:, None] * K + rk[None, :], (keep != 0).to(tl.int8), mask=inside)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)
