@@ -55,6 +55,26 @@ SOURCE = textwrap.dedent(
 
 
     second = Recorded(_second)
+
+
+    class Namespace:
+        pass
+
+
+    NAMESPACE = Namespace()
+
+
+    def not_jit(x):
+        return x
+
+
+    # Keying fails: Triton 3.2 and 3.6 look the attribute up (as 3.2 does triton.language's newer functions),
+    # 3.6 and 3.9 refuse a plain Python function.
+    def _unkeyable(X):
+        tl.store(X, not_jit(tl.load(X)) * NAMESPACE.MISSING)
+
+
+    unkeyable = Recorded(_unkeyable)
     """
 )
 
@@ -93,7 +113,7 @@ def test_helpers_are_keyed_before_the_kernels_that_call_them(tmp_path):
 
 def test_other_callables_are_left_alone():
     jit_keys.settle(len)  # not a JIT function (an interpreted kernel, say): nothing to key
-    assert id(len) not in jit_keys._SETTLED
+    assert not jit_keys._settled(len)
 
 
 def test_a_module_settles_its_functions_at_import(tmp_path):
@@ -102,5 +122,16 @@ def test_a_module_settles_its_functions_at_import(tmp_path):
     spec = importlib.util.spec_from_file_location("kp_keys_module", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    # module order: `first` (with its helpers ahead of it), then `second`, whose helper is already keyed
-    assert module.ORDER == ["_scale", "_scale_plus_one", "_first", "_second"]
+    # module order: `first` (with its helpers ahead of it), then `second`, whose helper is already keyed; the
+    # import survives `unkeyable`, which is left for its launch
+    assert module.ORDER == ["_scale", "_scale_plus_one", "_first", "_second", "_unkeyable"]
+    assert module.unkeyable.hash is None and module.first.hash is not None
+
+
+def test_a_kernel_this_triton_cannot_key_is_left_for_its_launch(tmp_path):
+    module = _copy(tmp_path, "kp_keys_unkeyable")
+    jit_keys.settle(module.unkeyable)  # Triton's keying raises: at a launch, never at import
+    assert not jit_keys._settled(module.unkeyable)
+    assert module.unkeyable.hash is None  # no placeholder key left behind
+    with pytest.raises(Exception, match="MISSING|Unsupported function"):
+        module.unkeyable.cache_key  # noqa: B018

@@ -24,6 +24,10 @@ for package in sys.argv[1:]:
             if isinstance(value, JITFunction) and value.fn.__module__ == info.name:
                 count += 1
                 if value.hash is None:
+                    try:
+                        value.cache_key  # keyable here (an older Triton cannot key a kernel using newer tl)
+                    except Exception:
+                        continue
                     unkeyed.append(info.name + "." + name)
 print(count, unkeyed)
 """

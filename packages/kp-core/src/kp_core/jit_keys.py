@@ -1,6 +1,6 @@
 """Stable Triton cache keys for kernels that share helpers.
 
-Triton 3.2 to 3.7 build a kernel's cache key by walking the `@triton.jit` functions it calls, and merge each
+Triton 3.5 to 3.7 build a kernel's cache key by walking the `@triton.jit` functions it calls, and merge each
 callee's global constexprs into the caller's key before the callee's own key (which collects them) is computed.
 A helper's constexprs therefore reach the key of every kernel keyed after the helper's first use, and miss the
 key of the first: `_norm_fwd` got one of two keys depending on whether another kernel that calls `act` had
@@ -20,8 +20,8 @@ import ast
 import inspect
 import threading
 
-_SETTLED: set[int] = set()  # id() of the JIT functions whose key is computed; kp's kernels live with their modules
 _LOCK = threading.Lock()
+_MARK = "_kp_key_settled"  # set on a JIT function once its key is computed (an id() could be reused)
 
 
 def settle(kernel) -> None:
@@ -36,7 +36,7 @@ def settle(kernel) -> None:
         >>> from kp_core import activation_kernels, jit_keys
         >>> jit_keys.settle(activation_kernels.act)  # settled when its module was imported: nothing more to do
     """
-    if id(kernel) in _SETTLED:
+    if _settled(kernel):
         return
     with _LOCK:
         _settle(kernel, set())
@@ -61,13 +61,24 @@ def settle_module(namespace: dict) -> None:
 
 
 def _settle(fn, visiting: set[int]) -> None:
-    if id(fn) in _SETTLED or id(fn) in visiting or not _is_jit(fn):
+    if _settled(fn) or id(fn) in visiting or not _is_jit(fn):
         return
     visiting.add(id(fn))  # a function that calls itself, directly or not, is keyed by Triton's own guard
     for callee in _callees(fn):
         _settle(callee, visiting)
-    fn.cache_key  # noqa: B018  (computed and kept by Triton)
-    _SETTLED.add(id(fn))
+    try:
+        fn.cache_key  # noqa: B018  (computed and kept by Triton)
+    except Exception:
+        # A kernel this Triton cannot key (a branch using a newer triton.language, such as the TMA path's
+        # tl.make_tensor_descriptor, which Triton 3.2 looks up while keying): left as Triton finds it, to fail at
+        # its launch if it is ever launched, never at import. Triton 3.6 leaves a placeholder key when keying fails.
+        fn.hash = None
+        return
+    setattr(fn, _MARK, True)
+
+
+def _settled(fn) -> bool:
+    return getattr(fn, _MARK, False) is True
 
 
 def _is_jit(fn) -> bool:
