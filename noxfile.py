@@ -397,15 +397,91 @@ def release(session: nox.Session) -> None:
             if _installed(session, py) != base | set(carried):
                 session.error(f"{n}: uninstalling {gone} did not leave the clean venv as it was (and {carried})")
             times[n] = time.perf_counter() - t0
+        # Then each package beside the kp releases its floors name, where those changed since (kp_floors).
+        floor_problems = []
+        for n in names:
+            t0 = time.perf_counter()
+            floor_problems += _floor_problems(session, py, n, built[n][1], tmp, indexes)
+            times[n] += time.perf_counter() - t0
+            if _installed(session, py) != base:
+                session.error(f"{n}: the floor install did not leave the clean venv as it was")
     finally:
         server.terminate()
         server.wait(timeout=30)
         log.close()
+    if floor_problems and args.tag:
+        session.error("release checks failed at the kp floors:\n  " + "\n  ".join(floor_problems))
+    for problem in floor_problems:  # a dry run without a tag: to fix before this package's next release
+        session.warn(f"kp floor: {problem}")
     per = ", ".join(f"{n} {s:.0f} s" for n, s in times.items())
     session.log(
         f"release dry run passed in {time.perf_counter() - start:.0f} s: checks and builds {built_s:.0f} s, the "
         f"clean venv {venv_s:.0f} s, install and smoke test {per}"
     )
+
+
+def _floor(req) -> str | None:
+    """The lowest version a kp requirement allows (its `>=`), or None."""
+    lows = [spec.version for spec in req.specifier if spec.operator in (">=", "==", "~=")]
+    return lows[0] if len(lows) == 1 else None
+
+
+def _floor_problems(session: nox.Session, py: str, name: str, wheel: Path, tmp: Path, indexes: tuple) -> list[str]:
+    """`name`'s wheel installed beside the kp releases its requirements' floors name (`kp-core>=0.2.0`: kp-core
+    as tagged kp-core-v0.2.0, built from that tag), then its smoke test. The install from the index tests it with
+    the kp packages of this commit only: a package that starts using a kp-core function its floor lacks passes
+    there and breaks for a user who has that floor. A floor whose package is unchanged since its tag is what this
+    commit holds (tested already); a floor above what this commit holds is a release check's problem."""
+    import subprocess
+
+    floors = []
+    for req in _kp_requirements(name):
+        version = _floor(req)
+        tag = f"{req.name}-v{version}"
+        if version is None or _git("rev-parse", "-q", "--verify", f"refs/tags/{tag}") is None:
+            continue  # no floor, or one released from this commit on (the release checks hold it to the version)
+        if _git("diff", "--quiet", tag, "HEAD", "--", str(_folder(req.name).relative_to(ROOT))) is not None:
+            continue  # unchanged since that release: the install from the index tested it
+        floors.append((req.name, tag, _floor_wheel(session, req.name, tag, tmp)))
+    if not floors:
+        return []
+    extras = _kernel_extras(name)
+    want = f"{name}[{','.join(extras)}] @ {wheel.resolve().as_uri()}" if extras else str(wheel.resolve())
+    pins = [f"{n} @ {w.resolve().as_uri()}" for n, _, w in floors]
+    session.log(f"{name}: beside {', '.join(t for _, t, _ in floors)} (its floors, built from their tags)")
+    before = _installed(session, py)
+    session.run(py, "-m", "pip", "install", "-q", "--no-compile", *indexes, TORCH, want, *pins, external=True)
+    smoke = str(_folder(name) / "tests" / "smoke.py")
+    run = subprocess.run(
+        [py, "-I", "-c", _SMOKE, name, smoke], env={**os.environ, **_cpu_env()}, capture_output=True, text=True
+    )
+    added = sorted(_installed(session, py) - before)
+    session.run(py, "-m", "pip", "uninstall", "-q", "-y", *added, external=True)
+    if run.returncode == 0:
+        return []
+    last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
+    floors_named = ", ".join(f"{n}=={t.rsplit('-v', 1)[1]}" for n, t, _ in floors)
+    return [f"{name}: its smoke test fails beside {floors_named} ({last}); raise the floor"]
+
+
+def _floor_wheel(session: nox.Session, name: str, tag: str, tmp: Path) -> Path:
+    """`name`'s wheel built from the commit `tag` names (once per run), in a worktree of that commit."""
+    out = tmp / "floors" / tag
+    wheels = sorted(out.glob("*.whl")) if out.is_dir() else []
+    if wheels:
+        return wheels[0]
+    tree = tmp / "floor-trees" / tag
+    shutil.rmtree(tree, ignore_errors=True)
+    _git("worktree", "prune")
+    if _git("worktree", "add", "--detach", str(tree), tag) is None:
+        session.error(f"{tag}: could not check it out into {tree}")
+    try:
+        folder = tree / _folder(name).relative_to(ROOT)
+        build = ("python", "-m", "build", "--no-isolation", "--wheel", "--outdir", str(out), str(folder))
+        session.run(*build, silent=True)
+    finally:
+        _git("worktree", "remove", "--force", str(tree))
+    return sorted(out.glob("*.whl"))[0]
 
 
 # What release's clean venv runs for each package: the metadata version against __version__, then its smoke test.
