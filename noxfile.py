@@ -401,7 +401,7 @@ def release(session: nox.Session) -> None:
         floor_problems = []
         for n in names:
             t0 = time.perf_counter()
-            floor_problems += _floor_problems(session, py, n, built[n][1], tmp, indexes)
+            floor_problems += _floor_problems(session, py, n, built[n][1], tmp, indexes, base)
             times[n] += time.perf_counter() - t0
             if _installed(session, py) != base:
                 session.error(f"{n}: the floor install did not leave the clean venv as it was")
@@ -426,12 +426,15 @@ def _floor(req) -> str | None:
     return lows[0] if len(lows) == 1 else None
 
 
-def _floor_problems(session: nox.Session, py: str, name: str, wheel: Path, tmp: Path, indexes: tuple) -> list[str]:
+def _floor_problems(
+    session: nox.Session, py: str, name: str, wheel: Path, tmp: Path, indexes: tuple, base: set[str]
+) -> list[str]:
     """`name`'s wheel installed beside the kp releases its requirements' floors name (`kp-core>=0.2.0`: kp-core
     as tagged kp-core-v0.2.0, built from that tag), then its smoke test. The install from the index tests it with
     the kp packages of this commit only: a package that starts using a kp-core function its floor lacks passes
     there and breaks for a user who has that floor. A floor whose package is unchanged since its tag is what this
-    commit holds (tested already); a floor above what this commit holds is a release check's problem."""
+    commit holds (tested already); a floor above what this commit holds is a release check's problem. `base`: what
+    the clean venv holds, which the install adds to and the uninstall returns to."""
     import subprocess
 
     floors = []
@@ -449,13 +452,12 @@ def _floor_problems(session: nox.Session, py: str, name: str, wheel: Path, tmp: 
     want = f"{name}[{','.join(extras)}] @ {wheel.resolve().as_uri()}" if extras else str(wheel.resolve())
     pins = [f"{n} @ {w.resolve().as_uri()}" for n, _, w in floors]
     session.log(f"{name}: beside {', '.join(t for _, t, _ in floors)} (its floors, built from their tags)")
-    before = _installed(session, py)
     session.run(py, "-m", "pip", "install", "-q", "--no-compile", *indexes, TORCH, want, *pins, external=True)
     smoke = str(_folder(name) / "tests" / "smoke.py")
     run = subprocess.run(
         [py, "-I", "-c", _SMOKE, name, smoke], env={**os.environ, **_cpu_env()}, capture_output=True, text=True
     )
-    added = sorted(_installed(session, py) - before)
+    added = sorted(_installed(session, py) - base)
     session.run(py, "-m", "pip", "uninstall", "-q", "-y", *added, external=True)
     if run.returncode == 0:
         return []
@@ -465,7 +467,8 @@ def _floor_problems(session: nox.Session, py: str, name: str, wheel: Path, tmp: 
 
 
 def _floor_wheel(session: nox.Session, name: str, tag: str, tmp: Path) -> Path:
-    """`name`'s wheel built from the commit `tag` names (once per run), in a worktree of that commit."""
+    """`name`'s wheel built from the commit `tag` names, in a worktree of that commit; kept in `tmp` for later runs
+    (a tag's commit does not change)."""
     out = tmp / "floors" / tag
     wheels = sorted(out.glob("*.whl")) if out.is_dir() else []
     if wheels:
