@@ -21,9 +21,10 @@ kc.declare(
         package="kp-conformance",
         ops=(),
         reference="the same strategy's draws before and after a local module full of literals is imported; "
-        "the report of one run over the same files",
+        "the report of one run over the same files; a stand-in for Triton's compile that does or does not run "
+        "its front end",
         dtypes=(),
-        properties=("reproducible_draws", "report_in_parts", "longest_first"),
+        properties=("reproducible_draws", "report_in_parts", "longest_first", "compile_log"),
     )
 )
 
@@ -158,3 +159,42 @@ def test_a_run_starts_its_longest_tests_first(tmp_path, monkeypatch):
     plugin.pytest_collection_modifyitems(None, None, items)
     # unrecorded tests first (they may be long), then slowest first; ties keep the collected order
     assert [i.nodeid for i in items] == ["new", "new2", "b", "c", "d", "a"]
+
+
+@pytest.mark.conformance(kernel="tiers", prop="compile_log")
+def test_compile_log_marks_disk_cache_misses(tmp_path, monkeypatch):
+    """KP_COMPILES=FILE: a request that runs Triton's front end is a miss, one that does not a disk-cache hit."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    import triton.compiler as front
+    import triton.compiler.compiler as compiler
+
+    from kp_conformance import compiles
+
+    log = tmp_path / "compiles.tsv"
+    assert not compiles.install()  # off unless asked for
+    monkeypatch.setattr(compiler.ASTSource, "make_ir", lambda self: "ir")
+
+    def compile_(src, target=None, options=None):  # a stand-in: the front end runs on a miss only
+        return src.make_ir() if src.miss else "loaded"
+
+    monkeypatch.setattr(compiler, "compile", compile_)
+    monkeypatch.setattr(front, "compile", compile_)
+    monkeypatch.setenv("KP_COMPILES", str(log))
+    assert compiles.install()
+    cold = SimpleNamespace(name="_cold", miss=True, make_ir=lambda: compiler.ASTSource.make_ir(None))
+    warm = SimpleNamespace(name="_warm", miss=False)
+    compiles.running("spec.py::test_a")
+    assert front.compile(cold) == "ir" and front.compile(warm) == "loaded"
+    compiles.running("spec.py::test_b")
+    assert compiler.compile(cold, options={}) == "ir"
+    rows = [line.split("\t")[2:5] for line in log.read_text().splitlines()]
+    assert rows == [
+        ["spec.py::test_a", "_cold", "miss"],
+        ["spec.py::test_a", "_warm", "hit"],
+        ["spec.py::test_b", "_cold", "miss"],
+    ]
+    first, most = compiles.summary(str(log))
+    assert first.startswith(f"kp compiles ({log}): 2 missed the disk cache") and "1 loaded from it" in first
+    assert most == "kp compiles, most missed: _cold 2"

@@ -13,6 +13,7 @@ Each test's time (setup + call + teardown, seconds) goes into the report (`durat
 long tail is visible; KP_PROGRESS=FILE also appends a line per test as it starts and ends, which survives a run
 that is killed at a time limit (the tests started but never ended are the tail), and a line as the session starts
 and ends (the time before the first test and after the last is the workers' start-up, collection and shutdown).
+KP_COMPILES=FILE logs every Triton compile with its test, and whether it missed the disk cache (`compiles`).
 
 A run starts its tests longest first, by the durations the existing report for its architecture and tier recorded
 (tests it has no time for first of all). With `--dist load --maxschedchunk 1` each xdist worker then takes the
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from kp_conformance import census, env, tiers
+from kp_conformance import census, compiles, env, tiers
 
 _STATUS = {"passed": "pass", "failed": "fail", "skipped": "not covered"}
 
@@ -48,6 +49,7 @@ def pytest_configure(config):
     if os.environ.get("KP_REPORT_RESUME") == "1" and not hasattr(config, "workerinput"):
         _resume()
     _share_cores()
+    compiles.install()  # KP_COMPILES=FILE
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -152,6 +154,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_runtest_logstart(nodeid, location):
+    compiles.running(nodeid)
     _progress("start", nodeid)
 
 
@@ -262,3 +265,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     path = getattr(config, "_kp_report_path", None)
     if path:
         terminalreporter.write_line(f"kp conformance report: {path}")
+    if compiles.path() and not hasattr(config, "workerinput"):
+        for line in compiles.summary(compiles.path()):
+            terminalreporter.write_line(line)
