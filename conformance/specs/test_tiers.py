@@ -178,7 +178,7 @@ def test_compile_log_marks_disk_cache_misses(tmp_path, monkeypatch):
     monkeypatch.setattr(compiler.ASTSource, "make_ir", lambda self: "ir")
 
     def compile_(src, target=None, options=None):  # a stand-in: the front end runs on a miss only
-        return src.make_ir() if src.miss else "loaded"
+        return SimpleNamespace(hash=src.name, made=src.make_ir() if src.miss else "loaded")
 
     monkeypatch.setattr(compiler, "compile", compile_)
     monkeypatch.setattr(front, "compile", compile_)
@@ -187,15 +187,16 @@ def test_compile_log_marks_disk_cache_misses(tmp_path, monkeypatch):
     cold = SimpleNamespace(name="_cold", miss=True, make_ir=lambda: compiler.ASTSource.make_ir(None))
     warm = SimpleNamespace(name="_warm", miss=False)
     compiles.running("spec.py::test_a")
-    assert front.compile(cold) == "ir" and front.compile(warm) == "loaded"
+    assert front.compile(cold).made == "ir" and front.compile(warm).made == "loaded"
     compiles.running("spec.py::test_b")
-    assert compiler.compile(cold, options={}) == "ir"
-    rows = [line.split("\t")[2:5] for line in log.read_text().splitlines()]
+    assert compiler.compile(cold, options={}).made == "ir"
+    rows = [[*line.split("\t")[2:5], line.split("\t")[6]] for line in log.read_text().splitlines()]
     assert rows == [
-        ["spec.py::test_a", "_cold", "miss"],
-        ["spec.py::test_a", "_warm", "hit"],
-        ["spec.py::test_b", "_cold", "miss"],
+        ["spec.py::test_a", "_cold", "miss", "_cold"],
+        ["spec.py::test_a", "_warm", "hit", "_warm"],
+        ["spec.py::test_b", "_cold", "miss", "_cold"],
     ]
     first, most = compiles.summary(str(log))
-    assert first.startswith(f"kp compiles ({log}): 2 missed the disk cache") and "1 loaded from it" in first
+    assert first.startswith(f"kp compiles ({log}): 2 missed the disk cache")
+    assert "1 of them a variant compiled already" in first and "1 loaded from it" in first
     assert most == "kp compiles, most missed: _cold 2"
