@@ -19,7 +19,7 @@ from kp_conformance.strategies import (
 from kp_conformance.tiers import TIERS, current, register_profiles
 from kp_conformance.tolerance import atol_for, check_close, check_decode
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "guard",

@@ -51,7 +51,7 @@ from kp_core.timing import median_ms
 from kp_core.tolerance import atol_for, rule_bound
 from kp_core.tuning import pin, pinned, settings, unpin
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Activation",

@@ -17,7 +17,7 @@ from kp_norms.functional import (
 from kp_norms.modules import GatedMLP, LayerNorm, RMSNorm
 from kp_norms.patch import patch, unpatch
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "GLUFloat8",

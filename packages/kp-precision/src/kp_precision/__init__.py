@@ -39,7 +39,7 @@ from kp_precision.qat import QATLinear, QuantizedLinear
 from kp_precision.recipes import Float8Config
 from kp_precision.training import Float8Linear
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Float8AllGatherWeight",

@@ -18,4 +18,4 @@ __all__ = [
     "to_sparse_2_4",
     "unpack_2_4",
 ]
-__version__ = "0.1.0"
+__version__ = "0.1.1"
