@@ -19,6 +19,7 @@ _TEST = ["<collection>"]  # the running test's node id (a worker runs one test a
 
 
 def path() -> str | None:
+    """The log's path (KP_COMPILES), or None when a run does not log its compiles."""
     return os.environ.get("KP_COMPILES") or None
 
 
@@ -34,7 +35,7 @@ def install() -> bool:
         return False
     if getattr(compiler.compile, "_kp_logged", False):
         return True
-    missed = [False]
+    missed = [False]  # one compile at a time per process (Triton's async compile mode, unused here, would blur it)
     make_ir = compiler.ASTSource.make_ir
 
     @functools.wraps(make_ir)
@@ -62,6 +63,7 @@ def install() -> bool:
 
 
 def running(nodeid: str) -> None:
+    """The test whose compiles the next lines are (from the plugin, as a test starts)."""
     _TEST[0] = nodeid
 
 
