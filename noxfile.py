@@ -186,11 +186,26 @@ _FLOOR_PYTHON = shutil.which(f"python{FLOORS['python']}") or next(
 @nox.session(python=str(_FLOOR_PYTHON or FLOORS["python"]))
 @nox.parametrize("package", PACKAGES)
 def floors(session: nox.Session, package: str) -> None:
-    """A package's own tests at the declared floors: Python 3.10, torch 2.6, triton 3.2 (not in the default set:
-    torch 2.6's CUDA build is a 4 GB install). nox -s floors -- -k name (pytest options)."""
-    hf = HF_DEPS if package in HF_TESTED else ()
+    """A package's own tests at the declared floors: Python 3.10, torch 2.6, triton 3.2, and transformers at its
+    "hf" extras' floor (not in the default set: torch 2.6's CUDA build is a 4 GB install). nox -s floors -- -k name
+    (pytest options)."""
+    hf = (_hf_floor(package),) if package in HF_TESTED else ()
     session.install(FLOORS["torch"], FLOORS["triton"], FLOORS["numpy"], *TEST_DEPS, *BUILD_DEPS, *hf)
     _package_tests(session, package, {"TRITON_INTERPRET": "1"}, *session.posargs)
+
+
+def _hf_floor(package: str) -> str:
+    """transformers at the highest floor the "hf" extras of `package` and the packages its tests use declare
+    (kp-attention's 4.48: its AttentionInterface), as `transformers==4.48.*`. The newest transformers is not
+    torch 2.6's: 5.x calls torch.compiler.is_exporting (torch 2.7) inside a compiled model."""
+    from packaging.requirements import Requirement
+
+    floors = []
+    for name in (package, *TESTED_WITH.get(package, ())):
+        for req in map(Requirement, _pyproject(name)["project"].get("optional-dependencies", {}).get("hf", ())):
+            floors += [spec.version for spec in req.specifier if req.name == "transformers" and spec.operator == ">="]
+    floor = max(floors, key=lambda v: tuple(map(int, v.split("."))))
+    return f"transformers=={floor}.*"
 
 
 @nox.session(python="3.11", tags=["ci"])

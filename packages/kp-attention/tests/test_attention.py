@@ -91,6 +91,13 @@ def test_forward_lse_and_grads_match_float64(case, dtype):
     check_dense(*shape, dtype, **kw)
 
 
+def _has_descriptors() -> bool:
+    """Triton >= 3.4 makes tensor descriptors in a kernel; before it the forward never takes TMA."""
+    import triton.language as tl
+
+    return hasattr(tl, "make_tensor_descriptor")
+
+
 TMA_CASES = [  # head dims of a power of 2: the descriptors' condition
     (2, 57, 83, 4, 2, 32, {"causal": True}),  # batch 2, GQA, Sq < Sk, lengths off the blocks (zero-filled tails)
     (1, 130, 90, 3, 1, 16, {"window": (17, 9), "softcap": 5.0}),  # MQA, Sq > Sk
@@ -103,6 +110,8 @@ def test_tma_forward_matches_float64_and_the_pointer_loads(case, dtype, monkeypa
     """The forward's TMA switch (off by default): it runs where pinned, by the rule against float64 (gradients
     through the usual backward), and gives the pointer loads' values (the same maths on the same tiles)."""
     skip_if_not_covered(dtype, uses_dot=True)
+    if not _has_descriptors():  # test_tma_is_refused_... checks that no call takes it then
+        pytest.skip("Triton < 3.4: no tl.make_tensor_descriptor, the forward has no TMA path")
     *shape, kw = case
     q, k, v, _ = make(*shape, dtype)
     assert attention.tma_ok(q, k, v, varlen=False, paged=False)
@@ -117,9 +126,17 @@ def test_tma_forward_matches_float64_and_the_pointer_loads(case, dtype, monkeypa
         assert torch.equal(got[0], out) and torch.equal(got[1], lse)
 
 
-def test_tma_is_refused_where_descriptors_cannot_address_the_tensors():
+def test_tma_is_refused_where_descriptors_cannot_address_the_tensors(monkeypatch):
     q = randn(1, 40, 2, 64, dtype=torch.float16)
-    assert attention.tma_ok(q, q, q, varlen=False, paged=False)
+    # allowed exactly where this Triton makes descriptors; where it cannot, a pinned forward keeps pointer loads
+    assert attention.tma_ok(q, q, q, varlen=False, paged=False) == _has_descriptors()
+    if not _has_descriptors():
+        switches, launch = [], kp_core.launch
+        monkeypatch.setattr(kp_core, "launch", lambda *a, **k_: switches.append(a[5].get("TMA")) or launch(*a, **k_))
+        with kp_core.pinned("_attn_fwd", tma=True):
+            kp_attention.flash_attention(q, q, q)
+        assert switches == [False]
+        return
     odd = randn(1, 40, 2, 48, dtype=torch.float16)  # padded head dim
     wide = randn(1, 40, 2, 65, dtype=torch.float16)[..., :64]  # rows 130 bytes apart
     shifted = randn(1, 40 * 2 * 64 + 1, dtype=torch.float16)[:, 1:].view(1, 40, 2, 64)  # base 2 bytes off

@@ -169,6 +169,8 @@ def test_helpers_inside_an_interpreted_kernel_do_not_patch_the_language_again(mo
         pytest.skip("needs Triton's interpreter on when this module was imported")
     from triton.runtime import interpreter
 
+    if not hasattr(interpreter, "_LangPatchScope"):
+        pytest.skip("Triton < 3.6: its interpreter is shaped otherwise, and kp leaves it as it is")
     x = torch.zeros(4)
     kp_core.launch("op", kp_core.INTERPRET, _loop, (1,), (x, 6), dict(BLOCK=4))  # Triton's first-time imports
     assert x.eq(126.0).all()  # ((((((0+1)2+1)2+1)2+1)2+1)2+1)2
