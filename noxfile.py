@@ -196,7 +196,7 @@ def floors(session: nox.Session, package: str) -> None:
 
 def _hf_floor(package: str) -> str:
     """transformers at the highest floor the "hf" extras of `package` and the packages its tests use declare
-    (kp-attention's 4.48: its AttentionInterface), as `transformers==4.48.*`. The newest transformers is not
+    (kp-attention's 4.54: set_attn_implementation), as `transformers==4.54.*`. The newest transformers is not
     torch 2.6's: 5.x calls torch.compiler.is_exporting (torch 2.7) inside a compiled model."""
     from packaging.requirements import Requirement
 

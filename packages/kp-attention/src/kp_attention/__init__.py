@@ -9,7 +9,7 @@ from kp_attention.functional import (
 )
 from kp_attention.patch import patch, register, unpatch
 
-__version__ = "0.2.1"
+__version__ = "0.2.2"
 
 __all__ = [
     "BlockMask",
