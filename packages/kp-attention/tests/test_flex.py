@@ -239,7 +239,8 @@ def test_dropout(dtype):
 
 
 # torch 2.6's dynamo cannot read a function's closure cells, where a score_mod keeps its captured tensors: it
-# breaks the graph there (the compiled call still runs, in two graphs); torch 2.7 traces them.
+# breaks the graph there (the compiled call still runs, in two graphs). torch 2.11 and 2.13 trace them (tested
+# there); 2.7-2.10 are not tested.
 FULLGRAPH = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 7)
 
 
