@@ -199,13 +199,13 @@ def _hf_floor(package: str) -> str:
     (kp-attention's 4.54: set_attn_implementation), as `transformers==4.54.*`. The newest transformers is not
     torch 2.6's: 5.x calls torch.compiler.is_exporting (torch 2.7) inside a compiled model."""
     from packaging.requirements import Requirement
+    from packaging.version import Version
 
     floors = []
     for name in (package, *TESTED_WITH.get(package, ())):
-        for req in map(Requirement, _pyproject(name)["project"].get("optional-dependencies", {}).get("hf", ())):
-            floors += [spec.version for spec in req.specifier if req.name == "transformers" and spec.operator == ">="]
-    floor = max(floors, key=lambda v: tuple(map(int, v.split("."))))
-    return f"transformers=={floor}.*"
+        hf = map(Requirement, _pyproject(name)["project"].get("optional-dependencies", {}).get("hf", ()))
+        floors += [_floor(req) for req in hf if req.name == "transformers" and _floor(req)]
+    return f"transformers=={max(floors, key=Version)}.*"
 
 
 @nox.session(python="3.11", tags=["ci"])
@@ -436,7 +436,7 @@ def release(session: nox.Session) -> None:
 
 
 def _floor(req) -> str | None:
-    """The lowest version a kp requirement allows (its `>=`), or None."""
+    """The lowest version a requirement allows (its `>=`), or None."""
     lows = [spec.version for spec in req.specifier if spec.operator in (">=", "==", "~=")]
     return lows[0] if len(lows) == 1 else None
 

@@ -91,6 +91,13 @@ def test_forward_lse_and_grads_match_float64(case, dtype):
     check_dense(*shape, dtype, **kw)
 
 
+def _tma_switches(monkeypatch) -> list:
+    """The TMA switch of every kp launch from here on, in order."""
+    switches, launch = [], kp_core.launch
+    monkeypatch.setattr(kp_core, "launch", lambda *a, **k_: switches.append(a[5].get("TMA")) or launch(*a, **k_))
+    return switches
+
+
 def _has_descriptors() -> bool:
     """Triton >= 3.4 makes tensor descriptors in a kernel; before it the forward never takes TMA."""
     import triton.language as tl
@@ -115,8 +122,7 @@ def test_tma_forward_matches_float64_and_the_pointer_loads(case, dtype, monkeypa
     *shape, kw = case
     q, k, v, _ = make(*shape, dtype)
     assert attention.tma_ok(q, k, v, varlen=False, paged=False)
-    switches, launch = [], kp_core.launch
-    monkeypatch.setattr(kp_core, "launch", lambda *a, **k_: switches.append(a[5].get("TMA")) or launch(*a, **k_))
+    switches = _tma_switches(monkeypatch)
     with kp_core.pinned("_attn_fwd", tma=True):
         got = check_dense(*shape, dtype, **kw)
     assert switches[0] is True, "the forward must have taken the TMA switch"
@@ -131,8 +137,7 @@ def test_tma_is_refused_where_descriptors_cannot_address_the_tensors(monkeypatch
     # allowed exactly where this Triton makes descriptors; where it cannot, a pinned forward keeps pointer loads
     assert attention.tma_ok(q, q, q, varlen=False, paged=False) == _has_descriptors()
     if not _has_descriptors():
-        switches, launch = [], kp_core.launch
-        monkeypatch.setattr(kp_core, "launch", lambda *a, **k_: switches.append(a[5].get("TMA")) or launch(*a, **k_))
+        switches = _tma_switches(monkeypatch)
         with kp_core.pinned("_attn_fwd", tma=True):
             kp_attention.flash_attention(q, q, q)
         assert switches == [False]

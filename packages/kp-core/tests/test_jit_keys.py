@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 # Built with JITFunction directly (not @triton.jit), so the functions have cache keys under TRITON_INTERPRET=1
 # too. Two kernels share a helper that reads a global constexpr, through a second helper: the case whose key
-# Triton before 3.9 made depend on the order.
+# Triton 3.5-3.7 made depend on the order.
 SOURCE = textwrap.dedent(
     """
     import triton.language as tl

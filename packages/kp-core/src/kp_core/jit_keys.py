@@ -7,11 +7,13 @@ key of the first: `_norm_fwd` got one of two keys depending on whether another k
 launched first in the process. The on-disk cache then held the kernel under one key while the next process
 asked for the other, and compiled it again (on an H200 with Triton 3.6: 229 of a warm conformance run's 249
 compiles, and 97 kernel variants compiled twice in a cold run). Computing the callees' keys first, leaves first,
-gives a kernel the same key in every process, on every Triton (3.8 on compute the callee's key first themselves).
+gives a kernel the same key in every process, on every Triton (from 3.8 Triton computes the callee's key first
+itself).
 
 Each kernel module calls `settle_module(globals())` as its last line, so its functions' keys are fixed at import,
-before anything can ask for one out of order (torch.compile's kernel copies, Triton's own launcher); `launch`
-settles each kernel again before its first launch, for kernels made later (flex attention's generated ones).
+before anything can ask for one out of order (torch.compile's kernel copies, Triton's own launcher); flex
+attention's generated modules settle as they are loaded, and `launch` settles a kernel before its first launch,
+for kernels of any other module it is given.
 """
 
 from __future__ import annotations
