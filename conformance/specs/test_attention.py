@@ -609,11 +609,11 @@ def test_opcheck(dtype):
     with kp_core.record_launches() as rec:
         # no mask; causal (bottom-right) with ALiBi
         for right, alibi in ((-1, None), (0, kc.alibi_slopes("head", 1, 4, 1, DEVICE))):
-            args = (q, k, v, None, alibi, None, 1 / math.sqrt(c["d"]), 0.0, -1, right, True, 0.0)
+            args = (q, k, v, None, alibi, None, 1 / math.sqrt(c["d"]), 0.0, -1, right, True, 0.0, "triton", False)
             torch.library.opcheck(attention_mod.FLASH.op, args)
         packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
         alibi = kc.alibi_slopes("batch", 2, 4, 2, DEVICE)
-        args = (*packed, cu_q, cu_k, alibi, None, None, 20, 30, 0.25, 0.0, -1, 0, 0.0)
+        args = (*packed, cu_q, cu_k, alibi, None, None, 20, 30, 0.25, 0.0, -1, 0, 0.0, "triton", False)
         torch.library.opcheck(attention_mod.FLASH_VARLEN.op, args)
     kc.assert_kernel_ran(rec, FWD, BWD, VARLEN, VARLEN_BWD)
 

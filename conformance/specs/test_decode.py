@@ -202,12 +202,13 @@ def test_opcheck(dtype):
     with kp_core.record_launches() as rec:
         torch.library.opcheck(
             decode_mod.KVCACHE.op,
-            (q, k_cache, v_cache, seqlens, k_new, v_new, None, None, None, True, -1, -1, 0.0, scale, 2),
+            (q, k_cache, v_cache, seqlens, k_new, v_new, None, None, None, True, -1, -1, 0.0, scale, 2, "triton"),
         )
         slopes = torch.tensor([0.5, 0.25, 0.125, 1.0], device=DEVICE)
         leftpad = torch.tensor([2, 9], dtype=torch.int32, device=DEVICE)
         torch.library.opcheck(
-            decode_mod.KVCACHE.op, (q, pk, pv, seqlens, None, None, bt, slopes, leftpad, True, 4, -1, 2.0, scale, 0)
+            decode_mod.KVCACHE.op,
+            (q, pk, pv, seqlens, None, None, bt, slopes, leftpad, True, 4, -1, 2.0, scale, 0, "triton"),
         )
     kc.assert_kernel_ran(rec, OP)
 

@@ -21,19 +21,23 @@ def kp_kernels():
 
 
 @pytest.fixture
-def accepted(monkeypatch):
-    """torch's SDPA may stand for every call (backend="auto"'s choice, unpinned); timings from a table:
-    {"kp": ms, "torch": ms}; the names timed."""
+def accepted(monkeypatch, tmp_path):
+    """torch's SDPA may stand for every call (backend="auto"'s choice, unpinned), FlashAttention-4 for none;
+    timings from a table: {"kp": ms, "torch": ms, "fa4": ms} (torch's kernels on a GPU, "torch:cudnn" and
+    "torch:flash", both take torch's); the names timed. Decisions go to a file of the test's own."""
     from kp_attention import backend
+    from kp_attention.ops import attention_fa4
 
-    times, timed = {"kp": 1.0, "torch": 2.0}, []
+    times, timed = {"kp": 1.0, "torch": 2.0, "fa4": 3.0}, []
 
     def fake_timer(name, fn):
         fn()  # the call runs, as a real measurement's would
         timed.append(name)
-        return times[name.rsplit(" ", 1)[1]]
+        return times[name.rsplit(" ", 1)[1].split(":")[0]]
 
+    monkeypatch.setenv("KP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(backend, "torch_refuses", lambda *a, **kw: None)
+    monkeypatch.setattr(attention_fa4, "refuses", lambda *a, **kw: "left out by the test")
     monkeypatch.setattr(backend, "timer", fake_timer)
     backend.forget()
     kp_core.unpin("attention_backend")  # kp_kernels pins "kp" for every other test

@@ -326,12 +326,14 @@ def test_compile_and_opcheck():
     seed = torch.tensor([1234], device=DEVICE)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     with kp_core.record_launches() as rec:
-        torch.library.opcheck(attention.FLASH.op, (*leaves, None, None, None, 0.25, 0.0, 7, 0, True, 0.0))
+        torch.library.opcheck(
+            attention.FLASH.op, (*leaves, None, None, None, 0.25, 0.0, 7, 0, True, 0.0, "triton", False)
+        )
         transposed = q.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
-        args = (transposed, *leaves[1:], mask, None, seed, 0.25, 1.5, -1, -1, False, 0.3)  # with dropout
+        args = (transposed, *leaves[1:], mask, None, seed, 0.25, 1.5, -1, -1, False, 0.3, "triton", False)  # dropout
         torch.library.opcheck(attention.FLASH.op, args)
         packed = [t[0].detach().requires_grad_() for t in (q, k, v)]
-        args = (*packed, cu_q, cu_k, None, seed, None, 23, 25, 0.25, 0.0, -1, 0, 0.3)
+        args = (*packed, cu_q, cu_k, None, seed, None, 23, 25, 0.25, 0.0, -1, 0, 0.3, "triton", False)
         torch.library.opcheck(attention.FLASH_VARLEN.op, args)
     assert rec.backends() == {KERNEL}
 
@@ -351,12 +353,14 @@ def test_a_tensor_on_another_device_is_refused_by_the_op():
     q, k, v, _ = make(1, 8, 8, 2, 2, 16, torch.float32)
     other = torch.ones(3, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="cu_seqlens_q must be on the same device as q"):
-        attention.FLASH_VARLEN(q[0], k[0], v[0], other, other, None, None, None, 8, 8, 0.25, 0.0, -1, -1, 0.0)
+        attention.FLASH_VARLEN(
+            q[0], k[0], v[0], other, other, None, None, None, 8, 8, 0.25, 0.0, -1, -1, 0.0, "triton", False
+        )
     with pytest.raises(ValueError, match="attn_mask must be on the same device as q"):
         meta_mask = torch.ones(8, 8, dtype=torch.bool, device="meta")
-        attention.FLASH(q, k, v, meta_mask, None, None, 0.25, 0.0, -1, -1, False, 0.0)
+        attention.FLASH(q, k, v, meta_mask, None, None, 0.25, 0.0, -1, -1, False, 0.0, "triton", False)
     with pytest.raises(ValueError, match="dropout_seed"):
-        attention.FLASH(q, k, v, None, None, None, 0.25, 0.0, -1, -1, False, 0.5)
+        attention.FLASH(q, k, v, None, None, None, 0.25, 0.0, -1, -1, False, 0.5, "triton", False)
 
 
 def test_reference_backend_is_selectable(monkeypatch):

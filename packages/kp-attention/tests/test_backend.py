@@ -1,10 +1,13 @@
-"""backend="auto" / "torch" / "kp" (kp_attention.backend): which calls PyTorch's fused SDPA may take, the measured
-choice per signature (timings injected through kp_attention.backend.timer), and what runs then. The GPU's own
-measurement is exercised by the benchmarks; off a GPU torch's fused kernels cannot take a call, so these tests
-let backend.torch_refuses accept it (torch's math kernel then runs)."""
+"""backend="auto" / "torch" / "kp" / "fa4" (kp_attention.backend): which calls PyTorch's fused SDPA may take, the
+measured choice per signature (timings injected through kp_attention.backend.timer), the decisions on disk, and
+what runs then. The GPU's own measurement is exercised by the benchmarks; off a GPU torch's fused kernels cannot
+take a call, so these tests let backend.torch_refuses accept it (torch's math kernel then runs), and
+FlashAttention-4 is the stand-in of tests/fa4_stub.py (test_fa4.py checks its mapping)."""
 
 import inspect
+import json
 
+import fa4_stub
 import pytest
 import torch
 
@@ -12,8 +15,10 @@ import kp_attention
 import kp_attention.flash_attn as fa
 import kp_core
 from kp_attention import backend
+from kp_attention.ops import attention_fa4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TORCH_NAMES = list(backend.TORCH_KERNELS) if DEVICE == "cuda" else ["torch"]  # what "auto" times of torch's
 
 
 def _qkv(grad=False, sq=24, sk=24):
@@ -34,14 +39,16 @@ def _run(**kw):
 def test_auto_takes_the_faster_once_per_signature(accepted):
     times, timed = accepted
     times["torch"] = 0.5
-    _run(backend="auto")  # measures (both run once then)
-    assert timed == ["kp_attention.flash_attention kp", "kp_attention.flash_attention torch"]
+    _run(backend="auto")  # measures (each runs once then)
+    assert timed == [f"kp_attention.flash_attention {n}" for n in ["kp", *TORCH_NAMES]]
     out, rec = _run(backend="auto")
-    assert len(timed) == 2, "a decided signature is not measured again"
+    assert len(timed) == 1 + len(TORCH_NAMES), "a decided signature is not measured again"
     assert not rec.backends("kp::flash_attention"), "torch was measured faster: kp's kernel must not run"
+    assert rec.count(backend.TORCH_OP) == 1, "the torch kernel that ran is in the launch record"
     q, k, v = _qkv()
-    assert torch.equal(out, backend.torch_attention(q, k, v, causal=True, scale=32**-0.5))
-    assert list(backend.decided().values()) == ["torch"]
+    choice = TORCH_NAMES[0]
+    assert torch.equal(out, backend.torch_attention(q, k, v, causal=True, scale=32**-0.5, kernel=choice))
+    assert list(backend.decided().values()) == [choice]
 
 
 def test_auto_keeps_kp_when_it_is_faster_and_a_backward_is_its_own_signature(accepted):
@@ -50,7 +57,7 @@ def test_auto_keeps_kp_when_it_is_faster_and_a_backward_is_its_own_signature(acc
     assert rec.backends("kp::flash_attention")
     q, k, v = _qkv(grad=True)
     kp_attention.flash_attention(q, k, v, causal=True, backend="auto").sum().backward()
-    assert len(timed) == 4 and sorted(k[-1] for k in backend.decided()) == [False, True]
+    assert len(timed) == 2 * (1 + len(TORCH_NAMES)) and sorted(k[-1] for k in backend.decided()) == [False, True]
 
 
 def test_pinned_setting_overrides_the_argument(accepted):
@@ -86,11 +93,15 @@ def test_auto_is_the_default_of_every_entry_point(accepted):
     assert inspect.signature(kp_attention.patch).parameters["backend"].default == "auto"
 
 
-def test_what_torch_cannot_take_runs_kp_whatever_is_asked():
+def test_what_torch_cannot_take_is_refused_when_forced_and_left_out_by_auto():
+    kp_core.unpin("attention_backend")  # kp_kernels' pin would override the argument (it comes back afterwards)
+    backend.forget()
     q, k, v = _qkv()
-    with kp_core.record_launches() as rec:
+    with pytest.raises(ValueError, match="backend='torch' cannot take this call"):
         kp_attention.flash_attention(q, k, v, causal=True, softcap=5.0, backend="torch")
-    assert rec.backends("kp::flash_attention")
+    with kp_core.record_launches() as rec:
+        kp_attention.flash_attention(q, k, v, causal=True, softcap=5.0, backend="auto")
+    assert rec.backends("kp::flash_attention") and not backend.decided(), "one candidate: nothing to measure"
     why = backend.torch_refuses(q, k, causal=True, window=(-1, 0), softcap=0.0, alibi=None, mask=None, lse=False)
     assert why is not None if DEVICE == "cpu" else why is None
     gpu_q = q.cuda() if torch.cuda.is_available() else None
@@ -100,6 +111,7 @@ def test_what_torch_cannot_take_runs_kp_whatever_is_asked():
             (dict(window=(8, 0)), "window"),
             (dict(lse=True), "lse"),
             (dict(dropout=True), "dropout"),
+            (dict(deterministic=True), "deterministic"),
         ):
             args = dict(causal=True, window=(-1, 0), softcap=0.0, alibi=None, mask=None, lse=False) | kw
             assert what in backend.torch_refuses(gpu_q, gpu_q, **args)
@@ -107,6 +119,91 @@ def test_what_torch_cannot_take_runs_kp_whatever_is_asked():
         args = dict(causal=True, window=(-1, 0), softcap=0.0, alibi=None, mask=None, lse=False)
         assert "top-left" in backend.torch_refuses(gpu_q, gpu_q[:, :5], **args)
         assert backend.torch_refuses(gpu_q, gpu_q[:, :5], top_left=True, **args) is None
+
+
+@pytest.fixture
+def with_fa4(accepted, monkeypatch):
+    """accepted, and FlashAttention-4 (the stand-in) a candidate too."""
+    monkeypatch.setattr(attention_fa4, "refuses", lambda *a, **kw: None)
+    monkeypatch.setattr(attention_fa4, "interface", lambda: fa4_stub)
+    return accepted
+
+
+def test_auto_takes_fa4_where_it_is_fastest(with_fa4):
+    times, timed = with_fa4
+    times["fa4"] = 0.25
+    out, rec = _run(backend="auto")  # measures
+    assert timed[-1] == "kp_attention.flash_attention fa4"
+    out, rec = _run(backend="auto")
+    assert rec.backends("kp::flash_attention") == {attention_fa4.CUTE}
+    assert list(backend.decided().values()) == ["fa4"]
+
+
+def test_auto_never_picks_a_known_failure(with_fa4, monkeypatch):
+    times, timed = with_fa4
+    times["fa4"] = 0.25
+    rule = [("fp16 causal (a test's entry)", lambda call: call["dtype"] == torch.float16 and call["window"] == (-1, 0))]
+    monkeypatch.setitem(backend.KNOWN_FAILURES, "fa4", rule)
+    _run(backend="auto")
+    assert not any(name.endswith("fa4") for name in timed), "a backend that misses the rule is not even timed"
+    assert "fa4" not in backend.decided().values()
+    _run(backend="fa4")  # forced: it runs (the user asked for it), as the conformance suite's cell does
+
+
+def test_decisions_are_kept_on_disk_per_machine_and_versions(with_fa4, tmp_path):
+    times, timed = with_fa4
+    times["fa4"] = 0.25
+    _run(backend="auto")
+    path = backend.cache_path()
+    assert path.parent == tmp_path
+    entries = json.loads(path.read_text())
+    (entry,) = entries.values()
+    assert entry["choice"] == "fa4" and set(entry["ms"]) == {"kp", *TORCH_NAMES, "fa4"}
+    backend.forget()  # a new process, as far as the decisions go
+    n = len(timed)
+    out, rec = _run(backend="auto")
+    assert len(timed) == n, "the choice comes from disk, untimed"
+    assert rec.backends("kp::flash_attention") == {attention_fa4.CUTE}
+    # another kp-attention version is another key: measured again
+    backend.forget()
+    env = backend.environment(torch.device(DEVICE))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(backend, "environment", lambda device: {**env, "kp_attention": "0.0.0"})
+        _run(backend="auto")
+    assert len(timed) > n
+
+
+def test_the_disk_cache_can_be_turned_off(accepted, monkeypatch):
+    monkeypatch.setenv("KP_ATTENTION_CACHE", "0")
+    _run(backend="auto")
+    assert not backend.cache_path().exists() and backend.decided()
+
+
+def test_decisions_are_logged(accepted, caplog):
+    accepted[0]["torch"] = 0.5
+    with caplog.at_level("INFO", logger="kp.attention"):
+        _run(backend="auto")
+    (line,) = [r.getMessage() for r in caplog.records if "->" in r.getMessage()]
+    assert line.startswith("kp_attention.flash_attention") and line.endswith(f"-> {TORCH_NAMES[0]}")
+
+
+def test_kvcache_auto_and_torch(accepted):
+    """A KV-cache call torch can take (one query, an int length, a contiguous cache) runs torch's kernel after
+    the new token is written; a tensor of lengths leaves torch out."""
+    accepted[0]["torch"] = 0.5
+    g = torch.Generator().manual_seed(1)
+    q, kn, vn = (torch.randn(1, 1, h, 32, generator=g).to(DEVICE, torch.float16) for h in (4, 2, 2))
+    caches = [torch.randn(1, 64, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(2)]
+    ref = kp_attention.flash_attention_with_kvcache(q, *[c.clone() for c in caches], 9, k=kn, v=vn, backend="kp")
+    kp_attention.flash_attention_with_kvcache(q, *caches, 9, k=kn, v=vn)  # measures
+    with kp_core.record_launches() as rec:
+        out = kp_attention.flash_attention_with_kvcache(q, *caches, 9, k=kn, v=vn)
+    assert rec.count(backend.TORCH_OP) == 1 and not rec.backends("kp::flash_attention_with_kvcache")
+    assert torch.equal(caches[0][0, 9], kn[0, 0])
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    lengths = torch.tensor([9], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="lengths in a tensor"):
+        kp_attention.flash_attention_with_kvcache(q, *caches, lengths, backend="torch")
 
 
 def test_bad_backend_names_itself():

@@ -218,7 +218,8 @@ def test_unchecked_bad_values_stay_in_bounds(paged, splits, small_blocks, monkey
 def op_args(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, softcap=0.0, num_splits=0):
     """kp::flash_attention_with_kvcache's positional arguments (causal, no window, scale 1/sqrt(D))."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return (q, k_cache, v_cache, cache_seqlens, k, v, block_table, None, None, True, -1, -1, softcap, scale, num_splits)
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, None, None, True, -1, -1, softcap, scale)
+    return (*args, num_splits, "triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)

@@ -1,27 +1,41 @@
-"""Which implementation runs an attention call: kp's kernel, or PyTorch's fused SDPA (cuDNN, flash) where it can
-stand for the call and was measured faster.
+"""Which implementation runs an attention call: kp's Triton kernel, PyTorch's fused SDPA (cuDNN or
+FlashAttention-2), or FlashAttention-4's CuTe DSL kernel (kp-attention[fa4], SM 9.0+), one rule for every entry
+point (flash_attention, the varlen and KV-cache functions, the SDPA drop-in, kp_attention.flash_attn, patch).
 
-    backend="auto"   the default: per call signature (shapes, dtype, causal, whether a backward follows, the GPU),
-                     the faster of the two, measured once on random tensors of that signature and kept for the
-                     process
-    backend="kp"     kp's kernel (tests and benchmarks pin it)
-    backend="torch"  torch.nn.functional.scaled_dot_product_attention, where it can stand for the call
+    backend="auto"   the default: per call signature (op, shapes, dtype, mask options, whether a backward follows,
+                     the GPU), the fastest of the implementations that can take the call and pass the conformance
+                     rule there, measured once on tensors of that signature, kept for the process and on disk
+                     (`cache_path()`, keyed by the GPU and every version the choice depends on), logged under
+                     KP_LOG=info
+    backend="kp"     kp's kernel (kp's own tests and the conformance specs pin it)
+    backend="torch"  torch.nn.functional.scaled_dot_product_attention (its own pick of fused kernel)
+    backend="fa4"    FlashAttention-4 (kp_attention.ops.attention_fa4)
 
-PyTorch's fused kernels stand for a call only where they give what kp gives: fp16/bf16 on a CUDA device, no
-softcap, ALiBi, window, dropout or mask (a row a mask hides entirely is NaN there and 0 in kp), causal with
-Sq != Sk only where the call's diagonal is top-left as torch's (the SDPA drop-in; FlashAttention's is
-bottom-right), and no lse asked for. Anything else runs kp's kernel, whatever the backend asked: off a GPU "auto"
-is kp's kernel and costs nothing. `kp_core.pin("attention_backend", backend=...)` overrides the argument (kp's own
-test suites and the conformance specs pin "kp", so that they check kp's kernel).
+A forced "torch" or "fa4" that cannot take the call raises ValueError saying why (`torch_refuses`,
+`attention_fa4.refuses`); "auto" then leaves it out. PyTorch's fused kernels stand for a call only where they give
+what kp gives: fp16/bf16 on a CUDA device, no softcap, ALiBi, window, dropout, mask (a row a mask hides entirely is
+NaN there and 0 in kp), lse or learnable sink, causal with Sq != Sk only where the call's diagonal is top-left as
+torch's (the SDPA drop-in; FlashAttention's is bottom-right), and no deterministic backward asked for.
+FlashAttention-4 takes fp16/bf16, head dims 8 to 256 in multiples of 8, causal, windows, softcap, GQA, varlen,
+paged caches and lse, but no ALiBi, mask or dropout. KNOWN_FAILURES lists where a backend runs but misses the
+conformance rule (found by the suite's per-backend cells): "auto" never picks it there. Off a GPU "auto" is
+kp's kernel and costs nothing. `kp_core.pin("attention_backend", backend=...)` overrides the argument.
 
-The measurement runs on fresh random tensors, so it also runs while torch.compile traces the call (on real tensors,
-outside the trace), but not under CUDA graph capture, where the call runs kp's kernel and the signature stays
-undecided. `timer` (a function of (name, fn) returning ms) replaces the measurement: tests inject timings with it.
+"auto" times the candidates on fresh random tensors of the signature (torch's cuDNN and FlashAttention-2 kernels
+separately, as "torch:cudnn" and "torch:flash"), so it also decides while torch.compile traces the call (on real
+tensors, outside the trace), but not under CUDA graph capture, where an undecided call runs kp's kernel.
+`timer` (a function of (name, fn) returning ms) replaces the measurement: tests inject timings with it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +43,18 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import kp_core
 
-BACKENDS = ("auto", "kp", "torch")
-KP, TORCH = "kp", "torch"
+BACKENDS = ("auto", "kp", "torch", "fa4")
+AUTO, KP, TORCH, FA4 = BACKENDS
+TORCH_KERNELS = ("torch:cudnn", "torch:flash")  # what "auto" times of torch's on a GPU (SDPBackend names below)
+_SDPA = {"torch:cudnn": "CUDNN_ATTENTION", "torch:flash": "FLASH_ATTENTION"}
+TORCH_OP = "torch::scaled_dot_product_attention"  # the launch record's op of a call torch's kernels ran
+# backend -> [(why, predicate of the call's features)]: where the conformance suite found it missing the rule
+# (its per-backend cells; docs/ops/attention.md). "auto" leaves the backend out where a predicate holds.
+KNOWN_FAILURES: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {TORCH: [], FA4: []}
 timer: Callable[[str, Callable[[], object]], float] | None = None
 _DECIDED: dict[tuple, str] = {}
+_DISK: dict | None = None  # the cache file's entries, read once
+log = logging.getLogger("kp.attention")
 
 
 def check(op: str, backend) -> None:
@@ -41,11 +63,22 @@ def check(op: str, backend) -> None:
 
 
 def torch_refuses(
-    q, k, *, causal: bool, window, softcap: float, alibi, mask, lse: bool, dropout: bool = False, top_left=False
+    q,
+    k,
+    *,
+    causal: bool,
+    window,
+    softcap: float,
+    alibi,
+    mask,
+    lse: bool,
+    dropout: bool = False,
+    top_left=False,
+    deterministic: bool = False,
 ) -> str | None:
     """Why PyTorch's fused SDPA cannot stand for this call of q (B, Sq, Hq, D), k (B, Sk, Hkv, D); None if it can.
     window: the call's (left, right) after causal ((-1, 0) when causal); top_left: the call's causal diagonal is
-    torch's (the SDPA drop-in)."""
+    torch's (the SDPA drop-in); deterministic: a deterministic backward is asked for and a gradient is wanted."""
     if not q.is_cuda:
         return "not on a CUDA device"
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -60,57 +93,209 @@ def torch_refuses(
     if causal and q.shape[1] != k.shape[1] and not top_left:
         return "causal with Sq != Sk (torch's diagonal is top-left)"
     if lse:
-        return "lse asked for"
+        return "lse asked for (torch's fused kernels return none; a learnable sink needs it too)"
+    if deterministic:
+        return "a deterministic backward asked for (torch's fused backward may add with atomics)"
     return None
 
 
-def torch_attention(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
-    """(B, Sq, Hq, D) in and out, through torch's (B, H, S, D) layout."""
+def known_failure(backend: str, call: dict) -> str | None:
+    """Why the conformance suite found `backend` missing the rule on a call with these features, or None."""
+    for why, applies in KNOWN_FAILURES.get(backend, ()):
+        if applies(call):
+            return f"known failure of {backend}: {why}"
+    return None
+
+
+def torch_attention(q, k, v, *, causal: bool, scale: float, kernel: str = TORCH) -> torch.Tensor:
+    """(B, Sq, Hq, D) in and out, through torch's (B, H, S, D) layout; kernel "torch" (torch's own pick) or one
+    of TORCH_KERNELS (that kernel or an error, never a silent fallback to another)."""
     t = [x.transpose(1, 2) for x in (q, k, v)]
-    gqa = q.shape[2] != k.shape[2]
-    return F.scaled_dot_product_attention(*t, is_causal=causal, scale=scale, enable_gqa=gqa).transpose(1, 2)
+    return sdpa(t[0], t[1], t[2], kernel, is_causal=causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2]).transpose(
+        1, 2
+    )
 
 
-def choose(op: str, backend: str, refused: str | None, q, k, v, causal: bool, scale: float, run_kp: Callable) -> str:
-    """kp or torch for this call (refused: torch_refuses' answer), backend after kp_core.settings'
-    "attention_backend" pin. run_kp(q, k, v) runs kp's kernel."""
-    if backend == KP or refused is not None:
+def sdpa(query, key, value, kernel: str, **options) -> torch.Tensor:
+    """F.scaled_dot_product_attention on `kernel` (see torch_attention), recorded as a launch of TORCH_OP."""
+    kp_core.note_launch(TORCH_OP, kernel, TORCH)
+    if kernel == TORCH:
+        return F.scaled_dot_product_attention(query, key, value, **options)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, _SDPA[kernel])):
+        return F.scaled_dot_product_attention(query, key, value, **options)
+
+
+def candidates(device: torch.device) -> tuple[str, ...]:
+    """The implementations "auto" may time on `device`, before the call's refusals."""
+    return (KP, *TORCH_KERNELS, FA4) if device.type == "cuda" else (KP, TORCH, FA4)
+
+
+def route(
+    op: str,
+    backend: str,
+    device: torch.device,
+    refused: dict[str, Optional[str]],
+    features: dict,
+    key: tuple,
+    sample: Callable[[], tuple],
+    run: Callable,
+    training: bool = False,
+) -> str:
+    """The implementation this call runs: "kp", "fa4", "torch" or one of TORCH_KERNELS.
+
+    backend: the caller's argument (after kp_core.settings' "attention_backend" pin). refused: backend -> why it
+    cannot take the call (None: it can); features: the call's options, for KNOWN_FAILURES; key: the call's
+    signature beyond op and device. For a measurement, sample() gives fresh inputs of the signature (a tuple, its
+    first three tensors requiring grad when training) and run(name, *inputs) runs implementation `name` on them,
+    returning its output; with training the output's backward is timed too."""
+    check(op, backend)
+    if backend == KP:
         return KP
-    if backend == TORCH:
-        return TORCH
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    key = (op, tuple(q.shape), tuple(k.shape), q.dtype, q.device, causal, scale, training)
-    if key not in _DECIDED:
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            return KP
-        with _disable_current_modes():
-            _DECIDED[key] = _measure(op, q, k, v, causal, scale, training, run_kp)
-    return _DECIDED[key]
+    if backend != AUTO:
+        why = refused.get(backend)
+        if why:
+            raise ValueError(f"{op}: backend={backend!r} cannot take this call: {why}")
+        return backend
+    names = []
+    for name in candidates(device):
+        base = name.split(":")[0]
+        why = refused.get(base) if base != KP else None
+        why = why or known_failure(base, features)
+        if why is None:
+            names.append(name)
+    if names == [KP]:
+        return KP
+    full = (op, *key, str(device), training)
+    choice = _DECIDED.get(full)
+    if choice is None:
+        choice = _from_disk(full, names)
+        if choice is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return KP  # nothing can be timed while a graph captures: decided by a later eager call
+            with _disable_current_modes():
+                choice = _measure(op, full, names, sample, run, training)
+        _DECIDED[full] = choice
+    return choice
 
 
-def _measure(op, q, k, v, causal, scale, training, run_kp) -> str:
-    g = torch.Generator(device=q.device).manual_seed(0)
-    args = [torch.randn(t.shape, generator=g, device=q.device, dtype=q.dtype) for t in (q, k, v)]
-    args = [a.requires_grad_(training) for a in args]
-    grad = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=g, device=q.device, dtype=q.dtype)
-
-    def call(fn):
-        def run():
-            out = fn(*args)
-            if training:
-                torch.autograd.backward(out, grad)
-
-        return run
-
+def _measure(op, full, names, sample, run, training) -> str:
+    inputs = sample()
     time = timer or (lambda name, fn: kp_core.median_ms(fn))
+    ms = {}
     with torch.enable_grad() if training else torch.no_grad():
-        kp_ms = time(f"{op} kp", call(run_kp))
-        torch_ms = time(f"{op} torch", call(lambda q, k, v: torch_attention(q, k, v, causal=causal, scale=scale)))
-    return TORCH if torch_ms < kp_ms else KP
+        for name in names:
+
+            def call(name=name):
+                out = run(name, *inputs)
+                if training:
+                    out.backward(torch.ones_like(out))
+
+            try:
+                ms[name] = time(f"{op} {name}", call)
+            except Exception as e:  # a kernel that turns this shape down (cuDNN's limits, ...): not a candidate
+                log.info("%s: %s left out: %s: %s", op, name, type(e).__name__, str(e)[:200])
+    choice = min(ms, key=ms.get) if ms else KP
+    times = ", ".join(f"{n} {t:.3f} ms" for n, t in sorted(ms.items(), key=lambda item: item[1]))
+    log.info("%s %s: %s -> %s", op, _describe(full), times, choice)
+    _store(full, choice, ms)
+    return choice
+
+
+def _describe(full: tuple) -> str:
+    return " ".join(str(part) for part in full[1:])
+
+
+# ---- the decisions on disk ----
+
+
+def cache_path() -> Path:
+    """Where "auto" keeps its decisions: $KP_CACHE_DIR/attention.json, else ~/.cache/kp/attention.json
+    ($XDG_CACHE_HOME respected); KP_ATTENTION_CACHE=0 keeps them in the process only.
+
+    Examples:
+        >>> from kp_attention import backend
+        >>> backend.cache_path().name
+        'attention.json'
+    """
+    root = os.environ.get("KP_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kp"
+    return Path(root) / "attention.json"
+
+
+def _disk_enabled() -> bool:
+    return os.environ.get("KP_ATTENTION_CACHE", "1") != "0"
+
+
+def environment(device: torch.device) -> dict:
+    """What a measured choice depends on: the GPU, torch, Triton, cuDNN, kp-attention and FlashAttention-4."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import kp_attention
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    env = {"torch": torch.__version__, "triton": installed("triton"), "kp_attention": kp_attention.__version__}
+    env["flash_attn_4"] = installed("flash-attn-4")
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["capability"] = list(torch.cuda.get_device_capability(device))
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def _entry(full: tuple) -> str:
+    device = torch.device(full[-2])
+    text = json.dumps([environment(device), [str(part) for part in full]], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _from_disk(full: tuple, names: list[str]) -> Optional[str]:
+    global _DISK
+    if not _disk_enabled():
+        return None
+    if _DISK is None:
+        try:
+            _DISK = json.loads(cache_path().read_text())
+        except (OSError, ValueError):
+            _DISK = {}
+    found = _DISK.get(_entry(full)) if isinstance(_DISK, dict) else None
+    if isinstance(found, dict) and found.get("choice") in names:
+        log.info("%s %s: %s (decided earlier, %s)", full[0], _describe(full), found["choice"], cache_path())
+        return found["choice"]
+    return None
+
+
+def _store(full: tuple, choice: str, ms: dict) -> None:
+    global _DISK
+    if not _disk_enabled():
+        return
+    target = cache_path()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(target.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data = data if isinstance(data, dict) else {}
+        data[_entry(full)] = {"choice": choice, "ms": ms, "call": [str(part) for part in full]}
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        tmp.replace(target)  # a reader never sees half a file
+        _DISK = data
+    except OSError as e:  # a read-only home: the choice still holds for the process
+        log.info("could not write %s: %s", target, e)
 
 
 def decided() -> dict[tuple, str]:
-    """The signatures measured so far and their choice (a copy): call signature -> "kp" or "torch".
+    """The signatures decided so far in this process and their choice (a copy): call signature -> "kp", "fa4",
+    "torch:cudnn" or "torch:flash".
 
     Examples:
         >>> import torch
@@ -125,7 +310,7 @@ def decided() -> dict[tuple, str]:
 
 
 def forget() -> None:
-    """Drop every decision (the next call of each signature measures again).
+    """Drop every decision of this process (the next call of each signature looks on disk, then measures).
 
     Examples:
         >>> from kp_attention import backend
@@ -133,4 +318,6 @@ def forget() -> None:
         >>> backend.decided()
         {}
     """
+    global _DISK
     _DECIDED.clear()
+    _DISK = None

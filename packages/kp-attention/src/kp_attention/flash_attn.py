@@ -21,6 +21,9 @@ not; applied with PyTorch ops before the kernel), and cache_batch_idx (the cache
 new tokens still land in the cache itself), cache_leftpad (rotary positions stay the cache rows, as
 FlashAttention's: a token at row r turns by angle r), and paged k/v in
 flash_attn_varlen_func (block_table; forward only, as FlashAttention's).
+
+Every function also takes a keyword `backend` (not FlashAttention's): "auto" (the default), "kp", "torch" or
+"fa4", as kp_attention.flash_attention's (kp_attention.backend).
 """
 
 from typing import Optional, Union
@@ -60,7 +63,9 @@ def _signed_probs(q, k, seed, dropout_p, scale, causal, window, softcap, alibi, 
     return attention.signed_exp_scores(q, k, alibi, seed, first_batch, p).to(q.dtype)
 
 
-def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, probs):
+def _dense(
+    fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, probs, backend
+):
     seed = _seed(q, dropout_p)
     result = flash_attention(
         q,
@@ -75,6 +80,7 @@ def _dense(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
         dropout_seed=seed,
         return_lse=probs,  # without lse torch's fused SDPA may take the call (backend "auto")
         deterministic=deterministic,
+        backend=backend,
     )
     if not probs:
         return result
@@ -98,6 +104,8 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    backend="auto",
 ):
     """q (batch, seqlen_q, heads, headdim), k and v (batch, seqlen_k, heads_k, headdim).
 
@@ -116,7 +124,7 @@ def flash_attn_func(
         (torch.Size([2, 8, 64]), True)
     """
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    return _dense("flash_attn_func", q, k, v, *args)
+    return _dense("flash_attn_func", q, k, v, *args, backend)
 
 
 def flash_attn_kvpacked_func(
@@ -130,6 +138,8 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    backend="auto",
 ):
     """q (batch, seqlen_q, heads, headdim), kv (batch, seqlen_k, 2, heads_k, headdim).
 
@@ -144,7 +154,7 @@ def flash_attn_kvpacked_func(
     """
     _packed("flash_attn_kvpacked_func", "kv", kv, 5, 2)
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    return _dense("flash_attn_kvpacked_func", q, kv[:, :, 0], kv[:, :, 1], *args)
+    return _dense("flash_attn_kvpacked_func", q, kv[:, :, 0], kv[:, :, 1], *args, backend)
 
 
 def flash_attn_qkvpacked_func(
@@ -157,6 +167,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    backend="auto",
 ):
     """qkv (batch, seqlen, 3, heads, headdim).
 
@@ -174,7 +186,7 @@ def flash_attn_qkvpacked_func(
     _packed("flash_attn_qkvpacked_func", "qkv", qkv, 5, 3)
     q, k, v = qkv.unbind(2)
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    return _dense("flash_attn_qkvpacked_func", q, k, v, *args)
+    return _dense("flash_attn_qkvpacked_func", q, k, v, *args, backend)
 
 
 def _packed(fn: str, name: str, t, ndim: int, parts: int) -> None:
@@ -189,7 +201,7 @@ def _packed(fn: str, name: str, t, ndim: int, parts: int) -> None:
 
 
 def _varlen(
-    fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, alibi, det, probs, pages=None
+    fn, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, window, softcap, alibi, det, probs, pages, backend
 ):
     seed = _seed(q, dropout_p)
     out, lse = flash_attention_varlen(
@@ -210,6 +222,7 @@ def _varlen(
         block_table=pages,
         return_lse=True,
         deterministic=det,
+        backend=backend,
     )
     if not probs:
         return out
@@ -245,6 +258,8 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    *,
+    backend="auto",
 ):
     """Packed q (total_q, heads, headdim), k and v (total_k, heads_k, headdim); cu_seqlens int32 (batch + 1,).
 
@@ -262,7 +277,7 @@ def flash_attn_varlen_func(
     """
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     cu = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return _varlen("flash_attn_varlen_func", q, k, v, *cu, *args, block_table)
+    return _varlen("flash_attn_varlen_func", q, k, v, *cu, *args, block_table, backend)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -280,6 +295,8 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    backend="auto",
 ):
     """q (total_q, heads, headdim), kv (total_k, 2, heads_k, headdim).
 
@@ -296,7 +313,8 @@ def flash_attn_varlen_kvpacked_func(
     fn = "flash_attn_varlen_kvpacked_func"
     _packed(fn, "kv", kv, 4, 2)
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    return _varlen(fn, q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args)
+    cu = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _varlen(fn, q, kv[:, 0], kv[:, 1], *cu, *args, None, backend)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -311,6 +329,8 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    backend="auto",
 ):
     """qkv (total, 3, heads, headdim); one cu_seqlens and max_seqlen for queries and keys.
 
@@ -328,7 +348,7 @@ def flash_attn_varlen_qkvpacked_func(
     _packed(fn, "qkv", qkv, 4, 3)
     q, k, v = qkv.unbind(1)
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    return _varlen(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, *args)
+    return _varlen(fn, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, *args, None, backend)
 
 
 # ---- KV-cache decoding ----
@@ -414,6 +434,8 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    backend="auto",
 ):
     """FlashAttention's incremental decoding call (inference only): k and v, when given, are written into the cache
     in place at cache_seqlens (which is not changed) before attending; see the module docstring.
@@ -481,4 +503,5 @@ def flash_attn_with_kvcache(
         cache_leftpad=cache_leftpad,
         num_splits=num_splits,
         return_lse=return_softmax_lse,
+        backend=backend,
     )

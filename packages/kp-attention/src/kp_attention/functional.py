@@ -12,8 +12,18 @@ import torch
 
 import kp_core
 from kp_attention import backend as backends
-from kp_attention.ops import dropout
-from kp_attention.ops.attention import DTYPES, FLASH, FLASH_VARLEN, MAX_HEAD_DIM, Params, default_scale, window_pair
+from kp_attention.ops import attention_fa4, dropout
+from kp_attention.ops.attention import (
+    DTYPES,
+    FA4,
+    FLASH,
+    FLASH_VARLEN,
+    MAX_HEAD_DIM,
+    TRITON,
+    Params,
+    default_scale,
+    window_pair,
+)
 from kp_attention.ops.decode import KVCACHE, PAGE_MULTIPLE
 
 KV_FN = "kp_attention.flash_attention_with_kvcache"
@@ -97,6 +107,78 @@ def _check_options(op: str, causal, window, softcap, scale, d: int) -> Params:
     return Params(float(default_scale(d) if scale is None else scale), float(softcap), int(left), int(right), True)
 
 
+def _check_sink(op: str, sink, heads: int, q: torch.Tensor) -> None:
+    """learnable_sink: None, or a float (Hq,) tensor on q's device."""
+    if sink is None:
+        return
+    kp_core.check_tensor(op, "learnable_sink", sink, dtypes=(torch.float16, torch.bfloat16, torch.float32), ndim=1)
+    kp_core.check_same_device(op, q=q, learnable_sink=sink)
+    if sink.shape[0] != heads:
+        raise ValueError(f"{op}: learnable_sink must have shape ({heads},) (q heads), got {tuple(sink.shape)}")
+
+
+def _with_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, heads_dim: int):
+    """(out, lse) of attention whose softmax also counts one sink logit per head (gpt-oss' learnable sinks): the
+    sink adds exp(sink) to each row's sum, so lse' = logaddexp(lse, sink) and out' = out * exp(lse - lse'). lse is
+    (B, H, Sq) (heads_dim 1) or (H, total) (heads_dim 0); out has its heads at dim -2. Differentiable in all three;
+    a row that sees no key gives 0 and lse' = sink."""
+    shape = [1] * lse.dim()
+    shape[heads_dim] = -1
+    total = torch.logaddexp(lse, sink.float().view(shape))
+    weight = torch.exp(lse - total)  # (..., H, S) -> out's (..., S, H, 1)
+    weight = weight.movedim(heads_dim, -1).unsqueeze(-1)
+    return (out.float() * weight).to(out.dtype), total
+
+
+def _training(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _randn_like(tensors, training: bool) -> tuple:
+    """Fresh N(0, 1) tensors of these shapes and dtypes (a backend's measurement), requiring grad when training."""
+    g = torch.Generator(device=tensors[0].device).manual_seed(0)
+    return tuple(
+        torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype).requires_grad_(training) for t in tensors
+    )
+
+
+def _route_dense(op, backend, q, k, v, p: Params, *, mask, alibi, lse, dropout, deterministic, top_left, refuse):
+    """The implementation of a dense call (kp_attention.backend.route): "kp", "fa4" or a torch kernel. refuse:
+    why torch cannot take it beyond torch_refuses, or None."""
+    training = _training(q, k, v)
+    window = (p.window_left, p.window_right)
+    causal = window == (-1, 0)
+    options = dict(softcap=p.softcap, alibi=alibi, mask=mask, lse=lse, dropout=dropout, top_left=top_left)
+    refused = {
+        backends.TORCH: refuse
+        or backends.torch_refuses(
+            q, k, causal=causal, window=window, deterministic=deterministic and training, **options
+        ),
+        backends.FA4: attention_fa4.refuses(
+            q,
+            k,
+            v,
+            alibi=alibi is not None,
+            mask=mask is not None,
+            dropout=dropout,
+            top_left=top_left,
+            causal=window != (-1, -1),
+        ),
+    }
+    features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
+    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, window, p.softcap, p.scale, p.bottom_right, lse)
+
+    def run(name, q, k, v):
+        if name.startswith(backends.TORCH):
+            return backends.torch_attention(q, k, v, causal=causal, scale=p.scale, kernel=name)
+        impl = FA4 if name == backends.FA4 else TRITON
+        args = (p.scale, p.softcap, p.window_left, p.window_right, p.bottom_right, p.dropout_p, impl, deterministic)
+        return FLASH(q, k, v, None, alibi, None, *args)[0]
+
+    sample = lambda: _randn_like((q, k, v), training)  # noqa: E731
+    return backends.route(op, backend, q.device, refused, features, key, sample, run, training)
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,6 +193,7 @@ def flash_attention(
     dropout_seed: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """FlashAttention's `flash_attn_func`: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), any strides.
@@ -129,9 +212,13 @@ def flash_attention(
     Returns out (B, Sq, Hq, D) in q's dtype, and with return_lse=True also lse (B, Hq, Sq) fp32: the natural-log
     logsumexp of the (scaled, softcapped) scores. lse is differentiable. Rows with no visible key (possible when
     Sq > Sk under causal/window masks) give out 0, lse -inf and zero gradients.
-    deterministic is accepted for FlashAttention compatibility and always satisfied: the backward uses no atomics.
-    backend: "auto" (PyTorch's fused SDPA where it can stand for the call and was measured faster for its
-    signature, once; kp's kernel otherwise), "kp" (kp's kernel) or "torch" (PyTorch's where it can stand for the
+    deterministic: a backward without atomic adds (kp's always is; FlashAttention-4's is then run so; torch's
+    fused kernels are not chosen).
+    learnable_sink: (Hq,) float, one logit per head that joins every row's softmax without a value (gpt-oss'
+    attention sinks, FlashAttention-4's learnable_sink): the output is scaled by exp(lse - lse') with
+    lse' = logaddexp(lse, sink), the returned lse is lse', and the sink gets a gradient.
+    backend: "auto" (per signature the fastest of kp's kernel, PyTorch's fused SDPA and FlashAttention-4 among
+    those that can take the call, measured once), "kp", "torch" or "fa4" (ValueError where it cannot take the
     call): kp_attention.backend.
 
     Examples:
@@ -152,21 +239,23 @@ def flash_attention(
         raise ValueError(f"{op}: batch sizes differ: q has {q.shape[0]}, k/v have {k.shape[0]}")
     p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
     _check_alibi(op, alibi_slopes, q.shape[0], q.shape[2], q)
+    _check_sink(op, learnable_sink, q.shape[2], q)
+    kp_core.check_bool(op, "deterministic", deterministic)
     seed = _dropout_seed(op, dropout_p, dropout_seed, q)
-
-    def run_kp(q, k, v):
-        args = (p.scale, p.softcap, p.window_left, p.window_right, True, float(dropout_p))
-        return FLASH(q, k, v, None, alibi_slopes, seed, *args)
-
+    sink = learnable_sink is not None
+    impl = backends.KP
     backend = kp_core.settings("attention_backend", backend=backend)["backend"]
     if backend != backends.KP:  # kp's kernel needs no look at the call (the default: no host cost added)
-        window = (p.window_left, p.window_right)
-        options = dict(softcap=p.softcap, alibi=alibi_slopes, mask=None, lse=return_lse, dropout=seed is not None)
-        refused = backends.torch_refuses(q, k, causal=causal, window=window, **options)
-        run = lambda *t: run_kp(*t)[0]  # noqa: E731
-        if backends.choose(op, backend, refused, q, k, v, causal, p.scale, run) == backends.TORCH:
-            return backends.torch_attention(q, k, v, causal=causal, scale=p.scale)
-    out, lse = run_kp(q, k, v)
+        options = dict(mask=None, alibi=alibi_slopes, lse=return_lse or sink, dropout=seed is not None)
+        impl = _route_dense(
+            op, backend, q, k, v, p, deterministic=deterministic, top_left=False, refuse=None, **options
+        )
+        if impl.startswith(backends.TORCH):
+            return backends.torch_attention(q, k, v, causal=p.window_right == 0, scale=p.scale, kernel=impl)
+    args = (p.scale, p.softcap, p.window_left, p.window_right, True, float(dropout_p))
+    out, lse = FLASH(q, k, v, None, alibi_slopes, seed, *args, FA4 if impl == backends.FA4 else TRITON, deterministic)
+    if sink:
+        out, lse = _with_sink(out, lse, learnable_sink, 1)
     return (out, lse) if return_lse else out
 
 
@@ -189,6 +278,8 @@ def flash_attention_varlen(
     block_table: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     deterministic: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
+    backend: str = "auto",
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """FlashAttention's `flash_attn_varlen_func`: packed q (total_q, Hq, D), k and v (total_k, Hkv, D).
 
@@ -204,6 +295,7 @@ def flash_attention_varlen(
     multiple of 16; key j of sequence b is slot j % page of page block_table[b, j // page] (cu_seqlens_k still
     gives the lengths). Forward only, as FlashAttention's (NotImplementedError when a gradient is wanted); the
     page ids in use are checked with cu_seqlens' values.
+    deterministic, learnable_sink and backend as in flash_attention ("torch" takes no packed sequences).
 
     Examples:
         Two sequences of 5 and 11 tokens packed into 16 rows:
@@ -249,24 +341,42 @@ def flash_attention_varlen(
             raise ValueError(f"{op}: {name} must be an int >= 0, got {val!r}")
     p = _check_options(op, causal, window, softcap, scale, q.shape[-1])
     _check_alibi(op, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q)
+    _check_sink(op, learnable_sink, q.shape[1], q)
+    kp_core.check_bool(op, "deterministic", deterministic)
+    backends.check(op, backend)
     seed = _dropout_seed(op, dropout_p, dropout_seed, q)
-    out, lse = FLASH_VARLEN(
-        q,
-        k,
-        v,
-        cu_seqlens_q.contiguous(),  # the kernels index them with unit stride
-        cu_seqlens_k.contiguous(),
-        alibi_slopes,
-        seed,
-        None if block_table is None else block_table.contiguous(),
-        max_seqlen_q,
-        max_seqlen_k,
-        p.scale,
-        p.softcap,
-        p.window_left,
-        p.window_right,
-        float(dropout_p),
-    )
+    # the kernels index these with unit stride
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    table = None if block_table is None else block_table.contiguous()
+    scores = (p.scale, p.softcap, p.window_left, p.window_right, float(dropout_p))
+
+    def run(name, q, k, v):
+        impl = FA4 if name == backends.FA4 else TRITON
+        return FLASH_VARLEN(
+            q, k, v, cu_q, cu_k, alibi_slopes, seed, table, max_seqlen_q, max_seqlen_k, *scores, impl, deterministic
+        )
+
+    impl = backends.KP
+    backend = kp_core.settings("attention_backend", backend=backend)["backend"]
+    if backend != backends.KP:
+        training = _training(q, k, v)
+        window = (p.window_left, p.window_right)
+        refused = {
+            backends.TORCH: "packed sequences (torch's fused SDPA takes none)",
+            backends.FA4: attention_fa4.refuses(
+                q, k, v, alibi=alibi_slopes is not None, dropout=seed is not None, causal=window != (-1, -1)
+            ),
+        }
+        features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
+        features["varlen"] = True
+        lengths = (cu_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, table is not None)
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, window, p.softcap, p.scale, lengths)
+        sample = lambda: _randn_like((q, k, v), training)  # noqa: E731
+        run_first = lambda name, *t: run(name, *t)[0]  # noqa: E731
+        impl = backends.route(op, backend, q.device, refused, features, key, sample, run_first, training)
+    out, lse = run(impl, q, k, v)
+    if learnable_sink is not None:
+        out, lse = _with_sink(out, lse, learnable_sink, 0)
     return (out, lse) if return_lse else out
 
 
@@ -297,9 +407,9 @@ def scaled_dot_product_attention(
     dimensions that cannot be merged into one, and Ev != E (the shorter head dim is zero-padded), cost a copy.
     softcap (keyword only, not torch's): softcap * tanh(s / softcap) of the scaled scores before the mask is
     added, as Hugging Face's eager attention does for Gemma 2.
-    backend (keyword only): "auto" (torch's own fused SDPA on this call where it can stand for it, no mask, dropout
-    or softcap, and was measured faster for its signature; kp's kernel otherwise), "kp" or "torch", as in
-    flash_attention. query, key and value: float16, bfloat16 or float32, one dtype and device; head dims up to 256.
+    backend (keyword only): "auto", "kp", "torch" or "fa4", as in flash_attention (torch's fused kernels and
+    FlashAttention-4 take no mask or dropout, nor softcap for torch's). query, key and value: float16, bfloat16 or
+    float32, one dtype and device; head dims up to 256.
 
     Examples:
         >>> import torch
@@ -369,18 +479,17 @@ def scaled_dot_product_attention(
         v = torch.nn.functional.pad(v, (0, d - ev))
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     args = (scale, float(softcap), -1, 0 if is_causal else -1, False, float(dropout_p))
+    impl = backends.KP
     backend = kp_core.settings("attention_backend", backend=backend)["backend"]
     if backend != backends.KP:
-        window = (-1, 0 if is_causal else -1)
-        options = dict(softcap=softcap, alibi=None, mask=mask, lse=False, dropout=seed is not None, top_left=True)
-        refused = backends.torch_refuses(qt, kt, causal=is_causal, window=window, **options)
-        refused = refused or ("key and value head dims differ" if e != ev else None)
-        run = lambda *t: FLASH(*t, None, None, None, *args)[0]  # noqa: E731
-        if backends.choose(op, backend, refused, qt, kt, vt, is_causal, scale, run) == backends.TORCH:
-            return torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-            )
-    out = FLASH(qt, kt, vt, mask, None, seed, *args)[0]
+        p = Params(*args[:5], dropout_p=float(dropout_p))
+        options = dict(mask=mask, alibi=None, lse=False, dropout=seed is not None, deterministic=False)
+        refuse = "key and value head dims differ" if e != ev else None
+        impl = _route_dense(op, backend, qt, kt, vt, p, top_left=True, refuse=refuse, **options)
+        if impl.startswith(backends.TORCH):
+            options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            return backends.sdpa(query, key, value, impl, **options)
+    out = FLASH(qt, kt, vt, mask, None, seed, *args, FA4 if impl == backends.FA4 else TRITON, False)[0]
     out = out.transpose(1, 2)[..., :ev].reshape(*batch, hq, lq, ev)
     return out.squeeze(0) if two_d else out
 
@@ -519,6 +628,8 @@ def flash_attention_with_kvcache(
     cache_leftpad: Optional[torch.Tensor] = None,
     num_splits: int = 0,
     return_lse: bool = False,
+    learnable_sink: Optional[torch.Tensor] = None,
+    backend: str = "auto",
 ):
     """Attention of a few new queries over a KV cache (FlashAttention's `flash_attn_with_kvcache`), inference only.
 
@@ -536,7 +647,11 @@ def flash_attention_with_kvcache(
     num_splits: key-length splits
     (flash-decoding), 0 = chosen from the GPU's SM count. Returns out (B, Sq, Hq, D) in q's dtype, and
     with return_lse the fp32 log-sum-exp (B, Hq, Sq). Rows that see no key give 0 (lse -inf).
-    q, the caches and k / v: float16, bfloat16 or float32, one dtype and device.
+    q, the caches and k / v: float16, bfloat16 or float32, one dtype and device. learnable_sink as in
+    flash_attention. backend as in flash_attention: "torch" takes a call of one query per sequence (or none
+    causal), a contiguous cache and cache_seqlens given as an int (its kernels need the length on the host),
+    without ALiBi, softcap, window, cache_leftpad or lse; "fa4" one without ALiBi or cache_leftpad, and num_splits
+    is not used there (no split-KV on SM 9.0).
 
     Examples:
         One decoding step: each sequence's new token goes into the cache at its length, then attends to it all.
@@ -551,30 +666,91 @@ def flash_attention_with_kvcache(
         (torch.Size([2, 1, 4, 32]), True)
     """
     window = window_pair(window)
+    backends.check(KV_FN, backend)
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits)
     _check_alibi(KV_FN, alibi_slopes, q.shape[0], q.shape[2], q)
+    _check_sink(KV_FN, learnable_sink, q.shape[2], q)
     if cache_leftpad is not None:
         kp_core.check_tensor(KV_FN, "cache_leftpad", cache_leftpad, dtypes=(torch.int32,), ndim=1)
         kp_core.check_same_device(KV_FN, q=q, cache_leftpad=cache_leftpad)
         kp_core.check_shape(KV_FN, "cache_leftpad", cache_leftpad, (q.shape[0],))
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    options = (alibi_slopes, cache_leftpad, bool(causal), int(window[0]), int(window[1]), float(softcap), scale)
+    impl = backends.KP
+    backend = kp_core.settings("attention_backend", backend=backend)["backend"]
+    if backend != backends.KP:
+        lse = return_lse or learnable_sink is not None
+        impl = _route_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, options, lse)
+    if impl.startswith(backends.TORCH):
+        return _torch_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, impl)
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    out, lse = KVCACHE(
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        k,
-        v,
-        block_table,
-        alibi_slopes,
-        cache_leftpad,
-        bool(causal),
-        int(window[0]),
-        int(window[1]),
-        float(softcap),
-        scale,
-        int(num_splits),
-    )
+    kernel = FA4 if impl == backends.FA4 else TRITON
+    out, lse = KVCACHE(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *options, int(num_splits), kernel)
+    if learnable_sink is not None:
+        out, lse = _with_sink(out, lse, learnable_sink, 1)
     return (out, lse) if return_lse else out
+
+
+def _torch_refuses_kvcache(q, cache_seqlens, block_table, options, lse: bool) -> Optional[str]:
+    alibi, leftpad, causal, left, right, softcap, _ = options
+    why = backends.torch_refuses(q, q, causal=False, window=(-1, -1), softcap=softcap, alibi=alibi, mask=None, lse=lse)
+    if why:
+        return why
+    for what, present in (
+        ("a paged cache", block_table is not None),
+        (
+            "per-sequence lengths in a tensor (torch's kernels need one length, on the host)",
+            isinstance(cache_seqlens, torch.Tensor),
+        ),
+        ("cache_leftpad", leftpad is not None),
+        ("a sliding window", (left, -1 if causal else right) != (-1, -1)),
+        ("causal with several queries (torch's diagonal is top-left)", causal and q.shape[1] > 1),
+    ):
+        if present:
+            return f"{what} (torch's fused SDPA)"
+    return None
+
+
+def _route_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, options, lse: bool) -> str:
+    """The implementation of a KV-cache call (kp_attention.backend.route). Measured on the call's own tensors:
+    every candidate writes the same new tokens to the same slots, and the cache is otherwise only read."""
+    alibi, leftpad, causal, left, right, softcap, scale = options
+    refused = {
+        backends.TORCH: _torch_refuses_kvcache(q, cache_seqlens, block_table, options, lse),
+        backends.FA4: attention_fa4.refuses(
+            q, k_cache, v_cache, alibi=alibi is not None, leftpad=leftpad is not None, causal=causal or right >= 0
+        ),
+    }
+    if torch.compiler.is_compiling() and backend == backends.AUTO:  # a traced call has no real tensors to time
+        refused = {name: why or "nothing to time while torch.compile traces" for name, why in refused.items()}
+    window = (left, 0 if causal else right)
+    features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=softcap, training=False, decode=True)
+    lengths = cache_seqlens if isinstance(cache_seqlens, int) else "tensor"
+    key = (tuple(q.shape), tuple(k_cache.shape), q.dtype, window, softcap, scale, lengths, block_table is not None)
+    key += (None if k is None else tuple(k.shape),)
+    seqlens = cache_seqlens
+    if not isinstance(seqlens, torch.Tensor):
+        seqlens = torch.full((q.shape[0],), seqlens, dtype=torch.int32, device=q.device)
+
+    def run(name, q, k_cache, v_cache):
+        if name.startswith(backends.TORCH):
+            return _torch_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, name)
+        impl = FA4 if name == backends.FA4 else TRITON
+        return KVCACHE(q, k_cache, v_cache, seqlens, k, v, block_table, *options, 0, impl)[0]
+
+    sample = lambda: (q, k_cache, v_cache)  # noqa: E731
+    return backends.route(KV_FN, backend, q.device, refused, features, key, sample, run)
+
+
+def _torch_kvcache(q, k_cache, v_cache, cache_seqlens: int, k, v, causal: bool, scale: float, kernel: str):
+    """torch's SDPA over the first cache_seqlens + new keys of a contiguous cache, after writing the new tokens
+    (one query per sequence when causal: it sees every key, as bottom-right alignment says)."""
+    n = cache_seqlens
+    if k is not None:
+        index = (slice(None), slice(n, n + k.shape[1]))
+        k_cache[index], v_cache[index] = k, v
+        n += k.shape[1]
+    t = [x.transpose(1, 2) for x in (q, k_cache[:, :n], v_cache[:, :n])]
+    gqa = q.shape[2] != k_cache.shape[2]
+    return backends.sdpa(*t, kernel, scale=scale, enable_gqa=gqa).transpose(1, 2)

@@ -3,7 +3,9 @@
 kp::flash_attention takes dense (B, S, H, D) tensors with any strides, (B, H, S, D) views (SDPA) included, and an
 optional mask; kp::flash_attention_varlen takes packed (total, H, D) tensors with cu_seqlens. One launcher pair
 serves both; the maths and the shared Triton helpers are in kp_attention.ops.attention_blocks, the kernels in
-attention_fwd_kernels and attention_bwd_kernels; the spec is conformance/specs/test_attention.py.
+attention_fwd_kernels and attention_bwd_kernels; the spec is conformance/specs/test_attention.py. Both ops take
+`impl`: "triton" (kp's kernels, or the PyTorch reference off a GPU) or "fa4" (FlashAttention-4's CuTe DSL
+kernels, kp_attention.ops.attention_fa4), behind the same checks, saved tensors and launch record.
 
 fp16/bf16 use tensor-core dots with fp32 accumulation; fp32 inputs use exact products (no TF32) summed in fp64
 per block (attention_blocks.dot; fp32 FMA chains on Triton < 3.5), a correctness path rather than a fast one.
@@ -17,7 +19,7 @@ from typing import Optional
 import torch
 
 import kp_core
-from kp_attention.ops import decode, dropout
+from kp_attention.ops import attention_fa4, decode, dropout
 
 if kp_core.has_triton():
     from kp_attention.ops import attention_bwd_kernels as bwd_kernels
@@ -33,6 +35,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 # Eager varlen calls check cu_seqlens' values (one host sync); set False to skip (values are then trusted).
 VALIDATE_CU_SEQLENS = True
+TRITON, FA4 = "triton", "fa4"  # the ops' `impl`: kp's Triton kernels, or FlashAttention-4's (attention_fa4)
+IMPLS = (TRITON, FA4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,8 @@ class Params:
     max_seqlen_q: int = 0  # varlen only
     max_seqlen_k: int = 0
     dropout_p: float = 0.0  # with a seed tensor (kp_attention.ops.dropout)
+    impl: str = TRITON  # whose kernels run the call (IMPLS)
+    deterministic: bool = False  # FlashAttention-4's backward only: kp's is deterministic always
 
 
 def window_pair(window):
@@ -368,10 +374,21 @@ def _check_dropout(op: str, seed, p: Params) -> None:
         raise ValueError(f"{op}: dropout_p > 0 needs dropout_seed, a one-element int64 tensor, got {seed!r}")
 
 
+def _check_fa4(op: str, q, k, v, mask, alibi, p: Params) -> None:
+    """The ops are public: impl="fa4" only for a call FlashAttention-4 can compute, where it can run."""
+    options = dict(alibi=alibi is not None, mask=mask is not None, dropout=p.dropout_p > 0)
+    causal = p.window_left >= 0 or p.window_right >= 0
+    why = attention_fa4.refuses(q, k, v, top_left=not p.bottom_right, causal=causal, **options)
+    if why:
+        raise ValueError(f"{op}: impl='fa4' cannot take this call: {why}")
+
+
 def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params, block_table=None):
     """(out, lse): out like q (contiguous, q's layout), lse fp32 (B, Hq, Sq), or (Hq, total_q) when packed.
     block_table (varlen): k and v are (num_blocks, page, Hkv, D) pages (the public function checks the shapes)."""
     _check_dropout(op, seed, p)
+    if p.impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {p.impl!r}")
     _check_devices(
         op,
         q,
@@ -391,6 +408,12 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params, block_table=
         check_cu_seqlens(op, cu_q, cu_k, q.shape[0], k.shape[0], p, block_table, page)
     if q.numel() == 0 or k.shape[0] == 0 or b == 0 or sq == 0 or sk == 0:  # nothing to launch
         return q.new_zeros(q.shape), _lse_empty(q, b, hq, sq, varlen).fill_(float("-inf"))
+    if p.impl == FA4:
+        _check_fa4(op, q, k, v, mask, alibi, p)
+        seqused_k = cu_k[1:] - cu_k[:-1] if paged else None  # pages come with key counts, not offsets
+        bounds = (p.max_seqlen_q, p.max_seqlen_k) if varlen else (None, None)
+        args = (p.scale, p.softcap, p.window_left, p.window_right, cu_q, cu_k, *bounds, block_table, seqused_k)
+        return attention_fa4.forward(op, q, k, v, *args)
     backend = kp_core.choose_backend(op, q)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
@@ -468,6 +491,10 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
     b, sq, sk, hq, hkv, d, varlen = _structure(p, q, k, cu_q)
     if q.numel() == 0 or k.numel() == 0 or b == 0 or sq == 0 or sk == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    if p.impl == FA4:
+        bounds = (p.max_seqlen_q, p.max_seqlen_k) if varlen else (None, None)
+        args = (p.scale, p.softcap, p.window_left, p.window_right, cu_q, cu_k, *bounds)
+        return attention_fa4.backward(op, dout, dlse, q, k, v, out, lse, *args, deterministic=p.deterministic)
     if dout is None:  # only lse was used
         dout = out.new_zeros(out.shape)
     backend = kp_core.choose_backend(op, q)
@@ -607,11 +634,23 @@ def forward(
     window_right: int,
     bottom_right: bool,
     dropout_p: float,
+    impl: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), lse (B, Hq, Sq); attn_mask broadcasts to (B, Hq, Sq, Sk);
     alibi_slopes fp32 (Hq,) or (B, Hq), not with attn_mask; dropout_p > 0 with dropout_seed (int64 (1,),
-    kp_attention.ops.dropout.draw_seed)."""
-    p = Params(scale, softcap, window_left, window_right, bottom_right, dropout_p=dropout_p)
+    kp_attention.ops.dropout.draw_seed); impl "triton" or "fa4" (IMPLS); deterministic: FlashAttention-4's
+    backward without atomics (kp's never has any)."""
+    p = Params(
+        scale,
+        softcap,
+        window_left,
+        window_right,
+        bottom_right,
+        dropout_p=dropout_p,
+        impl=impl,
+        deterministic=deterministic,
+    )
     return _forward(OP, q, k, v, attn_mask, alibi_slopes, dropout_seed, None, None, p)
 
 
@@ -632,8 +671,19 @@ def backward(
     window_right: int,
     bottom_right: bool,
     dropout_p: float,
+    impl: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    p = Params(scale, softcap, window_left, window_right, bottom_right, dropout_p=dropout_p)
+    p = Params(
+        scale,
+        softcap,
+        window_left,
+        window_right,
+        bottom_right,
+        dropout_p=dropout_p,
+        impl=impl,
+        deterministic=deterministic,
+    )
     return _backward(OP_BWD, dout, dlse, q, k, v, out, lse, attn_mask, alibi_slopes, dropout_seed, None, None, p)
 
 
@@ -653,11 +703,15 @@ def forward_varlen(
     window_left: int,
     window_right: int,
     dropout_p: float,
+    impl: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): packed q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q); alibi_slopes fp32 (Hq,)
     or (batch, Hq); dropout as in forward (sequence b numbered as batch b); with block_table (batch, pages) int32,
-    k/v are (num_blocks, page, Hkv, D) pages (forward only)."""
-    p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k, dropout_p)
+    k/v are (num_blocks, page, Hkv, D) pages (forward only); impl and deterministic as in forward."""
+    p = Params(
+        scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k, dropout_p, impl, deterministic
+    )
     cu = (cu_seqlens_q, cu_seqlens_k)
     return _forward(OP_VARLEN, q, k, v, None, alibi_slopes, dropout_seed, *cu, p, block_table)
 
@@ -682,10 +736,14 @@ def backward_varlen(
     window_left: int,
     window_right: int,
     dropout_p: float,
+    impl: str,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if block_table is not None:
         raise NotImplementedError(f"{OP_VARLEN}: paged k/v (block_table) has no backward (as FlashAttention's)")
-    p = Params(scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k, dropout_p)
+    p = Params(
+        scale, softcap, window_left, window_right, True, max_seqlen_q, max_seqlen_k, dropout_p, impl, deterministic
+    )
     cu = (cu_seqlens_q, cu_seqlens_k)
     return _backward(OP_VARLEN_BWD, dout, dlse, q, k, v, out, lse, None, alibi_slopes, dropout_seed, *cu, p)
 

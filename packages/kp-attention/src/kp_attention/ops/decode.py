@@ -16,6 +16,11 @@ the window is read). With one split it writes the output directly; otherwise it 
 fp32 and a second kernel merges the splits: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
 Paged caches (num_blocks, block_size, Hkv, D) are read through block_table; BLOCK_N divides block_size, so a
 block of keys lies in one page and costs one block_table load.
+
+impl="fa4" runs the attention with FlashAttention-4's kernel instead (kp_attention.ops.attention_fa4; no split-KV
+on SM 9.0, so num_splits is not used), after kp's append kernel has written the new tokens. It reads whatever
+lengths and page ids it is given, so this launcher clamps them into the cache first, and a value that needed it
+sets the bad-input flag as kp's split kernel does (the row is then computed on the clamped length, not NaN).
 """
 
 from typing import Optional
@@ -23,6 +28,7 @@ from typing import Optional
 import torch
 
 import kp_core
+from kp_attention.ops import attention_fa4
 
 if kp_core.has_triton():
     from kp_attention.ops import decode_kernels as kernels
@@ -37,6 +43,7 @@ PAGE_MULTIPLE = 16  # paged block_size must be a multiple of this (the smallest 
 # A table of one page per sequence (FlashAttention's cache_batch_idx) takes any block_size: the kernels see this
 # page size, so every key's page index is 0 and its slot its position (one compiled kernel for any cache length).
 ONE_PAGE = 1 << 30
+TRITON, FA4 = "triton", "fa4"  # the op's `impl`, as kp::flash_attention's (ops/attention.py)
 
 
 def kernel_page(k_cache: torch.Tensor, block_table: torch.Tensor) -> int:
@@ -293,6 +300,24 @@ def _reference(
 # ---- launcher and declaration ----
 
 
+def _fa4(q, k_cache, v_cache, seqlens, block_table, causal, left, right, softcap, scale, capacity, bad):
+    """(out, lse) by FlashAttention-4, lengths clamped into [0, capacity] and page ids into the pool (see the
+    module docstring); with VALIDATE_VALUES, a value outside sets `bad`."""
+    lengths = seqlens.clamp(0, capacity)
+    table, num_blocks = block_table, k_cache.shape[0]
+    if block_table is not None:
+        table = block_table.clamp(0, num_blocks - 1)
+    if VALIDATE_VALUES:
+        wrong = (lengths != seqlens).any()
+        if block_table is not None:
+            wrong = wrong | (pages_outside(block_table, lengths, k_cache.shape[1], num_blocks) > 0)
+        bad.copy_(torch.maximum(bad, wrong.to(bad.dtype).reshape(1)))
+    right = 0 if causal else right
+    return attention_fa4.forward(
+        OP, q, k_cache, v_cache, scale, softcap, left, right, block_table=table, seqused_k=lengths.to(torch.int32)
+    )
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
@@ -313,8 +338,19 @@ def forward(
     softcap: float,
     scale: float,
     num_splits: int,
+    impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) fp32); writes k, v into the caches first."""
+    """(out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) fp32); writes k, v into the caches first. impl: "triton"
+    (kp's kernels) or "fa4" (see the module docstring)."""
+    if impl not in (TRITON, FA4):
+        raise ValueError(f"{FN}: impl must be one of {(TRITON, FA4)}, got {impl!r}")
+    if impl == FA4:
+        leftpad, right = cache_leftpad is not None, 0 if causal else window_right
+        why = attention_fa4.refuses(
+            q, k_cache, v_cache, alibi=alibi_slopes is not None, leftpad=leftpad, causal=causal or right >= 0
+        )
+        if why:
+            raise ValueError(f"{FN}: impl='fa4' cannot take this call: {why}")
     for name, t in (
         ("k_cache", k_cache),
         ("v_cache", v_cache),
@@ -349,6 +385,13 @@ def forward(
         return _reference(q, k_cache, v_cache, seqlens, block_table, alibi_slopes, cache_leftpad, *args)
     if new:
         _launch_append(backend, k_cache, v_cache, cache_seqlens.contiguous(), k, v, block_table, capacity)
+    if impl == FA4:
+        out, lse = _fa4(
+            q, k_cache, v_cache, seqlens, block_table, causal, window_left, window_right, softcap, scale, capacity, bad
+        )
+        if flag is not None and not flag.pending:
+            _copy_back(flag)
+        return out, lse
 
     q = _unit_last(q)
     k_read, v_read = _unit_last(k_cache), _unit_last(v_cache)  # copies only for a cache with strided head dims
