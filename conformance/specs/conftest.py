@@ -1,4 +1,5 @@
-"""Shared setup for every spec: the device, the interpreter switch, Hypothesis tiers, the report plugin."""
+"""Shared setup for every spec: the device, the interpreter switch, Hypothesis tiers, the report plugin, and the
+attention specs' backends."""
 
 import os
 
@@ -8,6 +9,8 @@ if "TRITON_INTERPRET" not in os.environ and os.environ.get("KP_DEVICE", "") != "
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 import kp_conformance  # noqa: E402
 import kp_core  # noqa: E402
@@ -29,3 +32,28 @@ if os.environ.get("KP_MEMCHECK") == "1":
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+# The attention, varlen, SDPA and decode cells run once per implementation kp_attention routes to (its "auto"
+# picks among them): kp's kernels, torch's cuDNN and FlashAttention-2 kernels, FlashAttention-4. Their cells are
+# named "<kernel> [<backend>]" in the report (kp's keep the plain name); one not on this machine is not covered.
+ATTENTION_BACKENDS = ("kp", "torch:cudnn", "torch:flash", "fa4")
+
+
+@pytest.fixture(params=ATTENTION_BACKENDS)
+def attention_backend(request):
+    """The backend a test's kp_attention calls are pinned to (kp_core.pin("attention_backend")), or the test is
+    not covered here, with the reason."""
+    name = request.param
+    why = None
+    if name.startswith("torch") and kp_conformance.device().type != "cuda":
+        why = "torch's fused SDPA kernels run on a CUDA device"
+    elif name == "fa4":
+        from kp_attention.ops import attention_fa4
+
+        why = attention_fa4.unavailable(kp_conformance.device())
+        why = why and f"FlashAttention-4: {why}"
+    if why:
+        pytest.skip(f"not covered: {why}")
+    with kp_core.pinned("attention_backend", backend=name):
+        yield name

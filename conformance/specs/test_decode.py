@@ -2,21 +2,26 @@
 reference of kp_conformance.references.decode: each sequence's valid cache rows (gathered through block_table
 when paged), kv heads repeated for GQA, scale, softcap c * tanh(s / c), the causal diagonal bottom-right and the
 window about it, softmax, @ V. PyTorch's baseline is the same per-sequence computation by attention_lowp (SDPA,
-or Hugging Face's eager attention with softcap). Rows that see no key are 0 with lse -inf."""
+or Hugging Face's eager attention with softcap). Rows that see no key are 0 with lse -inf.
+
+The values, append and host-length cells run once per backend kp_attention routes to (the attention_backend
+fixture, specs/conftest.py), each on the cases it can take (`fit`); the launch record shows its kernel ran."""
 
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kp_attention
 import kp_conformance as kc
 import kp_core
+from kp_attention import backend as backends
+from kp_attention.ops import attention_fa4
 from kp_attention.ops import decode as decode_mod
 from kp_conformance import fuzz, kv_cache, randn
-from kp_conformance.references import allowed, kvcache_rows
+from kp_conformance.references import allowed, attention64, attention_lowp, decode, kvcache_rows
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TIER = kc.current()
@@ -39,6 +44,31 @@ kc.declare(
         properties=("values", "switches", "append", "opcheck", "compile", "bad_input"),
     )
 )
+
+
+PER_BACKEND = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def backend_dtype(backend: str, dtype: torch.dtype) -> None:
+    if backend != "kp" and dtype == torch.float32:
+        pytest.skip(f"not covered: {backend} takes float16 and bfloat16 (kp routes float32 to its own kernel)")
+
+
+def fit(c, backend):
+    """Case c as FlashAttention-4 takes it: no ALiBi or cache_leftpad, head dims rounded up to a multiple of 8."""
+    if backend != "fa4":
+        return c
+    return dict(c, alibi=None, leftpad=False, d=-(-c["d"] // 8) * 8)
+
+
+def ran(rec, backend: str) -> None:
+    """The backend's kernel ran: kp's split kernel, FlashAttention-4's under kp's op, or torch's with no kp op."""
+    if backend == "kp":
+        kc.assert_kernel_ran(rec, OP)
+    elif backend == "fa4":
+        assert attention_fa4.CUTE in rec.backends(OP), f"expected FlashAttention-4's kernel, got {rec.launches}"
+    else:
+        assert rec.count(backends.TORCH_OP, kernel=backend) == 1 and not rec.backends(OP), rec.launches
 
 
 def rand(*shape, dtype, seed):
@@ -91,8 +121,8 @@ def apply_family(c, q, k_cache, bt, lens):
     return q64.to(dtype=q.dtype, device=DEVICE)
 
 
-def run_case(c, dtype, **extra):
-    """kp's call on drawn cache lengths (empty, short, full), checked by the rule; returns the launch record."""
+def run_case(c, dtype, backend="kp", **extra):
+    """The call on drawn cache lengths (empty, short, full), checked by the rule; returns the launch record."""
     k_cache, v_cache, bt = make_cache(c["batch"], c["capacity"], c["hkv"], c["d"], dtype, c["paged"], c["seed"])
     q = rand(c["batch"], c["sq"], c["hq"], c["d"], dtype=dtype, seed=c["seed"] + 5)
     lens = [(0, 7, c["capacity"])[b % 3] for b in range(c["batch"])]
@@ -108,18 +138,21 @@ def run_case(c, dtype, **extra):
         out, lse = kp_attention.flash_attention_with_kvcache(
             q, k_cache, v_cache, seqlens, num_splits=c["splits"], return_lse=True, **kw, **extra
         )
-    kc.assert_kernel_ran(rec, OP)
+    ran(rec, backend)
     kc.check_decode(str(c), out, lse, q, k_cache, v_cache, lens, dtype, **kw)
     return rec
 
 
 @pytest.mark.conformance(kernel="flash_attention_with_kvcache", prop="values")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
-@settings(max_examples=EXAMPLES)
+@settings(PER_BACKEND, max_examples=EXAMPLES)
 @given(c=decode_cases())
-def test_values(dtype, c):
+def test_values(dtype, attention_backend, c):
     kc.skip_if_not_covered(dtype, uses_dot=True)
-    run_case(c, dtype)
+    backend_dtype(attention_backend, dtype)
+    if attention_backend.startswith("torch"):
+        pytest.skip("not covered: per-sequence lengths in a tensor (torch's kernels: test_one_length_on_the_host)")
+    run_case(fit(c, attention_backend), dtype, attention_backend)
 
 
 BASE = dict(
@@ -165,8 +198,11 @@ def test_every_switch(dtype, what, change):
 @pytest.mark.conformance(kernel="flash_attention_with_kvcache", prop="append")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_new_tokens_are_written_into_the_cache(dtype, paged):
+def test_new_tokens_are_written_into_the_cache(dtype, paged, attention_backend):
     kc.skip_if_not_covered(dtype, uses_dot=True)
+    backend_dtype(attention_backend, dtype)
+    if attention_backend.startswith("torch"):
+        pytest.skip("not covered: per-sequence lengths in a tensor (torch's kernels: test_one_length_on_the_host)")
     lens, new = [0, 20, 45], 3
     k_cache, v_cache, bt = make_cache(3, 64, 2, 32, dtype, paged, seed=15)
     k0, v0 = k_cache.clone(), v_cache.clone()
@@ -177,7 +213,7 @@ def test_new_tokens_are_written_into_the_cache(dtype, paged):
         out, lse = kp_attention.flash_attention_with_kvcache(
             q, k_cache, v_cache, seqlens, k=k_new, v=v_new, block_table=bt, return_lse=True
         )
-    kc.assert_kernel_ran(rec, OP)
+    ran(rec, attention_backend)
     assert seqlens.tolist() == lens, "cache_seqlens must not change"
     k_exp, v_exp = k0.clone(), v0.clone()
     page = k_cache.shape[1]
@@ -187,6 +223,28 @@ def test_new_tokens_are_written_into_the_cache(dtype, paged):
             k_exp[where], v_exp[where] = k_new[b, t], v_new[b, t]
     assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp), "cache not updated exactly in place"
     kc.check_decode("appended", out, lse, q, k_cache, v_cache, [n + new for n in lens], dtype, block_table=bt)
+
+
+@pytest.mark.conformance(kernel="flash_attention_with_kvcache", prop="one length on the host")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@pytest.mark.parametrize("batch,new", [(1, 0), (1, 1), (3, 1)], ids=["B1", "B1 new token", "B3 new token"])
+def test_one_length_on_the_host(dtype, batch, new, attention_backend):
+    """One query per sequence after `new` appended tokens, every sequence the same length given as an int: the
+    call torch's kernels can take (kp_attention.functional._torch_refuses_kvcache), for every backend."""
+    kc.skip_if_not_covered(dtype, uses_dot=True)
+    backend_dtype(attention_backend, dtype)
+    length, seed = 77, batch + new
+    k_cache, v_cache, _ = make_cache(batch, 128, 2, 64, dtype, False, seed=seed)
+    q = rand(batch, 1, 8, 64, dtype=dtype, seed=seed + 1)
+    kv = [rand(batch, new, 2, 64, dtype=dtype, seed=seed + i) for i in (2, 3)] if new else [None, None]
+    with kp_core.record_launches() as rec:
+        out = kp_attention.flash_attention_with_kvcache(q, k_cache, v_cache, length, k=kv[0], v=kv[1])
+    ran(rec, attention_backend)
+    if new:
+        assert torch.equal(k_cache[:, length : length + new], kv[0]), "new tokens not written"
+    lens = [length + new] * batch
+    ref = decode(attention64, q, k_cache, v_cache, lens)[0]
+    kc.check_close("out", out, ref, decode(attention_lowp, q, k_cache, v_cache, lens), dtype)
 
 
 @pytest.mark.conformance(kernel="flash_attention_with_kvcache", prop="opcheck")

@@ -82,6 +82,10 @@ FAKE_SUITE = """
 
     def test_flash_attn_generator_arg_must_be_none():
         raise AssertionError("a private-API test must be left out")
+
+    def test_a_call():
+        q = torch.randn(1, 8, 2, 16)
+        assert flash_attn_func(q, q, q, causal=True).shape == q.shape
 """
 
 
@@ -100,13 +104,27 @@ def _run(tmp_path, *args):
 def test_plugin_samples_resolves_and_counts(tmp_path):
     done, counts = _run(tmp_path, "--fa-sample", "0")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert counts == {"test_resolves_to_kp": {"passed": 10}, "test_skips": {"skipped": 6}}
+    assert counts == {"test_resolves_to_kp": {"passed": 10}, "test_skips": {"skipped": 6}, "test_a_call": {"passed": 1}}
     assert "left out: test_flash_attn_generator_arg_must_be_none" in done.stdout
     done, counts = _run(tmp_path, "--fa-sample", "5", "--fa-seed", "3", "-rA")
     assert sum(sum(c.values()) for c in counts.values()) == 5
     # the sample: 5 of the 16 public cases, in collection order, by the seed's draw
     public = [f"test_resolves_to_kp[{i}]" for i in range(10)] + [f"test_skips[{i}]" for i in range(6)]
+    public.append("test_a_call")
     chosen = sorted(random.Random(3).sample(range(len(public)), 5))
     ran = [line for line in done.stdout.splitlines() if line.startswith("PASSED")]
-    want = [public[i] for i in chosen if public[i].startswith("test_resolves")]
+    want = [public[i] for i in chosen if not public[i].startswith("test_skips")]
     assert sorted(line.split("::")[-1] for line in ran) == sorted(want)
+
+
+@pytest.mark.conformance(kernel="fa_suite", prop="backend")
+def test_the_suite_checks_the_backend_asked_for(tmp_path):
+    """--fa-backend pins kp_attention's backend; a case it cannot take is skipped with the reason (here
+    FlashAttention-4 off a GPU), the others run; a name that is no backend stops the run."""
+    done, counts = _run(tmp_path, "--fa-sample", "0", "--fa-backend", "fa4", "-rs")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "backend fa4" in done.stdout
+    if not torch.cuda.is_available():
+        assert counts["test_a_call"] == {"skipped": 1} and "backend='fa4' cannot take this call" in done.stdout
+    done, _ = _run(tmp_path, "--fa-backend", "cudnn")
+    assert done.returncode != 0 and "backend must be one of" in done.stdout + done.stderr

@@ -131,8 +131,10 @@ def pytest_runtest_makereport(item, call):
         # the assertion's own message (error, bound) rather than the traceback's last line
         asserted = [ln.lstrip("E ").strip() for ln in text.splitlines() if ln.startswith("E ") and "Error:" in ln]
         reason = (asserted[0] if asserted else text.splitlines()[-1] if text else "")[:300]
+    kernel = marker.kwargs["kernel"]
+    backend = params.get("attention_backend", "kp")  # specs/conftest.py: one cell per attention backend
     cell = {
-        "kernel": marker.kwargs["kernel"],
+        "kernel": kernel if backend == "kp" else f"{kernel} [{backend}]",
         "property": marker.kwargs["prop"],
         "dtype": dtype,
         "status": status,

@@ -8,7 +8,8 @@ point (flash_attention, the varlen and KV-cache functions, the SDPA drop-in, kp_
                      (`cache_path()`, keyed by the GPU and every version the choice depends on), logged under
                      KP_LOG=info
     backend="kp"     kp's kernel (kp's own tests and the conformance specs pin it)
-    backend="torch"  torch.nn.functional.scaled_dot_product_attention (its own pick of fused kernel)
+    backend="torch"  torch.nn.functional.scaled_dot_product_attention (its own pick of fused kernel);
+                     "torch:cudnn" / "torch:flash": that kernel of torch's (an error where it cannot run)
     backend="fa4"    FlashAttention-4 (kp_attention.ops.attention_fa4)
 
 A forced "torch" or "fa4" that cannot take the call raises ValueError saying why (`torch_refuses`,
@@ -22,8 +23,9 @@ conformance rule (found by the suite's per-backend cells): "auto" never picks it
 kp's kernel and costs nothing. `kp_core.pin("attention_backend", backend=...)` overrides the argument.
 
 "auto" times the candidates on fresh random tensors of the signature (torch's cuDNN and FlashAttention-2 kernels
-separately, as "torch:cudnn" and "torch:flash"), so it also decides while torch.compile traces the call (on real
-tensors, outside the trace), but not under CUDA graph capture, where an undecided call runs kp's kernel.
+separately, as "torch:cudnn" and "torch:flash") in an eager call. A call torch.compile traces, or one captured
+into a CUDA graph, takes the choice an eager call of its signature made in this process, else kp's kernel (a
+forced backend is taken as it is). kp.optimize and the benchmarks run one eager step first for that reason.
 `timer` (a function of (name, fn) returning ms) replaces the measurement: tests inject timings with it.
 """
 
@@ -58,8 +60,8 @@ log = logging.getLogger("kp.attention")
 
 
 def check(op: str, backend) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in BACKENDS and backend not in TORCH_KERNELS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS + TORCH_KERNELS}, got {backend!r}")
 
 
 def torch_refuses(
@@ -117,8 +119,10 @@ def torch_attention(q, k, v, *, causal: bool, scale: float, kernel: str = TORCH)
 
 
 def sdpa(query, key, value, kernel: str, **options) -> torch.Tensor:
-    """F.scaled_dot_product_attention on `kernel` (see torch_attention), recorded as a launch of TORCH_OP."""
-    kp_core.note_launch(TORCH_OP, kernel, TORCH)
+    """F.scaled_dot_product_attention on `kernel` (see torch_attention), recorded as a launch of TORCH_OP (but
+    not while torch.compile traces it, as kp's own launches)."""
+    if not torch.compiler.is_compiling():
+        kp_core.note_launch(TORCH_OP, kernel, TORCH)
     if kernel == TORCH:
         return F.scaled_dot_product_attention(query, key, value, **options)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -154,7 +158,7 @@ def route(
     if backend == KP:
         return KP
     if backend != AUTO:
-        why = refused.get(backend)
+        why = refused.get(backend.split(":")[0])
         if why:
             raise ValueError(f"{op}: backend={backend!r} cannot take this call: {why}")
         return backend
@@ -169,6 +173,8 @@ def route(
         return KP
     full = (op, *key, str(device), training)
     choice = _DECIDED.get(full)
+    if torch.compiler.is_compiling():  # traced: no timing, no file; what an eager call decided, else kp's kernel
+        return KP if choice is None else choice
     if choice is None:
         choice = _from_disk(full, names)
         if choice is None:

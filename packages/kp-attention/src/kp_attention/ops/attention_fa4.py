@@ -62,8 +62,18 @@ def interface():
     return found
 
 
-@functools.lru_cache(maxsize=16)
+_UNAVAILABLE: dict[tuple, Optional[str]] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile asks once, while tracing, and keeps the answer
 def _unavailable_on(device_type: str, index: Optional[int]) -> Optional[str]:
+    key = (device_type, index)
+    if key not in _UNAVAILABLE:
+        _UNAVAILABLE[key] = _why_not(device_type, index)
+    return _UNAVAILABLE[key]
+
+
+def _why_not(device_type: str, index: Optional[int]) -> Optional[str]:
     if device_type != "cuda":
         return "not on a CUDA device"
     major, minor = torch.cuda.get_device_capability(index)
@@ -75,11 +85,7 @@ def _unavailable_on(device_type: str, index: Optional[int]) -> Optional[str]:
 
 def unavailable(device: torch.device) -> Optional[str]:
     """Why FlashAttention-4 cannot run on `device` here, or None when it can (cached per device)."""
-    return _unavailable_on(device.type, device.index if device.type != "cuda" else _index(device))
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+    return _unavailable_on(device.type, device.index)
 
 
 def refuses(
