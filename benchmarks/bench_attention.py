@@ -1,4 +1,6 @@
-"""Attention: kp vs SDPA's backends (flash = FlashAttention-2, cuDNN, memory-efficient) and FlexAttention.
+"""Attention: kp vs SDPA's backends (flash = FlashAttention-2, cuDNN, memory-efficient), FlexAttention and
+FlashAttention-4 (CuTe DSL, `flash_attn.cute.flash_attn_func`, where installed), with kp's backend="auto" (which
+routes each signature to the fastest of kp's kernel, torch's fused kernels and FlashAttention-4).
 
     python benchmarks/bench_attention.py            # every case below, writes results/<device>/attention.*
     python benchmarks/bench_attention.py --quick    # S = 4096 only
@@ -42,9 +44,9 @@ def visible_pairs(sq: int, sk: int, causal: bool, window: int) -> int:
 def _sdpa(backend):
     from torch.nn.attention import sdpa_kernel
 
-    def run(q, k, v, causal, window):
-        if window >= 0:
-            raise ValueError("SDPA has no sliding window without an explicit mask")
+    def run(q, k, v, causal, window, softcap=0.0):
+        if window >= 0 or softcap:
+            raise ValueError("SDPA has no sliding window (without an explicit mask) and no softcap")
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -57,7 +59,9 @@ def _flex():
     compiled = torch.compile(flex_attention, dynamic=False)
     masks = {}
 
-    def run(q, k, v, causal, window):
+    def run(q, k, v, causal, window, softcap=0.0):
+        if softcap:
+            raise ValueError("not timed with softcap here (a score_mod; bench_flex_attention.py times it)")
         key = (q.shape[2], k.shape[2], causal, window)
         if key not in masks:
 
@@ -71,30 +75,50 @@ def _flex():
     return run
 
 
-def _kp(q, k, v, causal, window):
-    return kp_attention.flash_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        causal=causal,
-        window=(window, 0 if causal else -1),
-        backend="kp",
-    ).transpose(1, 2)
+def _kp(backend="kp"):
+    def run(q, k, v, causal, window, softcap=0.0):
+        return kp_attention.flash_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            causal=causal,
+            window=(window, 0 if causal else -1),
+            softcap=softcap,
+            backend=backend,
+        ).transpose(1, 2)
+
+    return run
 
 
-def _kp_tma(q, k, v, causal, window):
+def _kp_tma(q, k, v, causal, window, softcap=0.0):
     """kp with the forward's tiles read through TMA descriptors (attention.FWD_TMA, off by default until this
     row says it is faster); the backward is the same as kp's."""
     with kp_core.pinned("_attn_fwd", tma=True):
-        return _kp(q, k, v, causal, window)
+        return _kp()(q, k, v, causal, window, softcap)
 
 
-def providers() -> dict:
+def _fa4():
+    """FlashAttention-4's own entry point, as a user calls it (q, k, v as (B, S, H, D))."""
+    from flash_attn.cute import flash_attn_func
+
+    def run(q, k, v, causal, window, softcap=0.0):
+        t = [x.transpose(1, 2) for x in (q, k, v)]
+        left = window if window >= 0 else None
+        out = flash_attn_func(
+            *t, causal=causal and left is None, window_size=(left, 0 if left is not None else None), softcap=softcap
+        )
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return run
+
+
+def providers(with_tma: bool = False) -> dict:
     from torch.nn.attention import SDPBackend
 
-    out = {
-        "kp": _kp,
-        "kp tma": _kp_tma,
+    out = {"kp": _kp(), "kp auto": _kp("auto")}
+    if with_tma:
+        out["kp tma"] = _kp_tma
+    out |= {
         "sdpa flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),
@@ -103,98 +127,129 @@ def providers() -> dict:
         out["flex"] = _flex()
     except Exception as e:
         print(f"FlexAttention unavailable: {type(e).__name__}: {e}")
+    try:
+        out["fa4"] = _fa4()
+    except Exception as e:
+        print(f"FlashAttention-4 unavailable: {type(e).__name__}: {e}")
     return out
 
 
 def cases(quick: bool) -> list[dict]:
     seqs = (4096,) if quick else (1024, 4096, 16384)
-    out = [
-        dict(name="dense", b=TOKENS // s, s=s, hq=HEADS, hkv=HEADS, causal=c, window=-1) for s in seqs for c in (0, 1)
-    ]
-    out.append(dict(name="gqa", b=4, s=4096, hq=32, hkv=8, causal=1, window=-1))
+    plain = dict(hq=HEADS, hkv=HEADS, window=-1, d=HEAD_DIM, softcap=0.0)
+    out = [dict(plain, name="dense", b=TOKENS // s, s=s, causal=c) for s in seqs for c in (0, 1)]
+    out.append(dict(plain, name="gqa", b=4, s=4096, hq=32, hkv=8, causal=1))
+    out.append(dict(plain, name="head dim 64", b=4, s=4096, causal=1, d=64))
+    out.append(dict(plain, name="softcap 30", b=4, s=4096, causal=1, softcap=30.0))
+    out.append(dict(plain, name="window 1024", b=4, s=4096, causal=1, window=1024))
     if not quick:
-        out.append(dict(name="sliding window 4096", b=1, s=16384, hq=HEADS, hkv=HEADS, causal=1, window=4096))
+        out.append(dict(plain, name="sliding window 4096", b=1, s=16384, causal=1, window=4096))
     return out
 
 
-def check_correct(fn, q, k, v, causal, window) -> None:
-    """Before timing: kp agrees with SDPA in fp32 at this size (bf16 rounding; the conformance suite judges the
-    numerics). Windowed cases get SDPA with the window as an explicit mask (query i sees keys i - window .. i)."""
+def check_correct(name, fn, q, k, v, causal, window, softcap) -> None:
+    """Before timing: the provider agrees with fp32 attention at this size (bf16 rounding; the conformance suite
+    judges the numerics). Windowed cases get the window as an explicit mask (query i sees keys i - window .. i)."""
     with torch.no_grad():
-        ours = fn(q, k, v, causal, window).float()
-        mask = None
+        ours = fn(q, k, v, causal, window, softcap).float()
+        i = torch.arange(q.shape[2], device=q.device)[:, None]
+        j = torch.arange(k.shape[2], device=q.device)[None, :]
+        mask = (j <= i) if causal else torch.ones_like(i == j)
         if window >= 0:
-            i = torch.arange(q.shape[2], device=q.device)[:, None]
-            j = torch.arange(k.shape[2], device=q.device)[None, :]
-            mask = (j <= i) & (j >= i - window)
-        ref = F.scaled_dot_product_attention(
-            q.float(),
-            k.float(),
-            v.float(),
-            attn_mask=mask,
-            is_causal=bool(causal) and mask is None,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+            mask = mask & (j >= i - window)
+        kf, vf = (t.float().repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+        s = q.float() @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        ref = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ vf
     err = (ours - ref).abs().max().item()
-    assert err < 2e-2, f"kp attention wrong (causal={causal}, window={window}): max err {err}"
+    assert err < 2e-2, f"{name} wrong (causal={causal}, window={window}, softcap={softcap}): max err {err}"
 
 
-def time_ms(fn, q, k, v, causal: bool, window: int, mode: str) -> float:
+def time_ms(fn, q, k, v, causal: bool, window: int, mode: str, softcap: float = 0.0) -> float:
     if mode == "fwd":
         with torch.no_grad():
-            return harness.bench_ms(lambda: fn(q, k, v, causal, window))
+            return harness.bench_ms(lambda: fn(q, k, v, causal, window, softcap))
     do = torch.randn_like(q)
-    return harness.bench_ms(lambda: fn(q, k, v, causal, window).backward(do), grad_to_none=[q, k, v])
+    return harness.bench_ms(lambda: fn(q, k, v, causal, window, softcap).backward(do), grad_to_none=[q, k, v])
 
 
-def run_dense(quick: bool, only: list[str] | None = None) -> list[dict]:
+def run_dense(quick: bool, only: list[str] | None = None, with_tma: bool = False) -> list[dict]:
     rows = []
-    provs = {name: fn for name, fn in providers().items() if not only or name in only or name == "kp"}
+    provs = {name: fn for name, fn in providers(with_tma).items() if not only or name in only or name == "kp"}
     for c in harness.progress(cases(quick), "attention"):
         b, s, hq, hkv, causal, window = c["b"], c["s"], c["hq"], c["hkv"], bool(c["causal"]), c["window"]
-        q, k, v = (
-            torch.randn(b, h, s, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True) for h in (hq, hkv, hkv)
-        )
-        flops = 4 * b * hq * HEAD_DIM * visible_pairs(s, s, causal, window)
-        for name in provs:
-            if name.startswith("kp"):
-                check_correct(provs[name], q, k, v, causal, window)
+        d, softcap = c["d"], c["softcap"]
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=DTYPE, requires_grad=True) for h in (hq, hkv, hkv))
+        flops = 4 * b * hq * d * visible_pairs(s, s, causal, window)
+        checked = {}
+        for name, fn in provs.items():
+            if name.startswith(("kp", "fa4")):
+                try:
+                    check_correct(name, fn, q, k, v, causal, window, softcap)
+                except AssertionError:
+                    raise
+                except Exception as e:  # a provider without this case: recorded as missing below
+                    checked[name] = e
         for (name, fn), mode in itertools.product(provs.items(), ("fwd", "fwd+bwd")):
-            row = dict(case=c["name"], B=b, S=s, Hq=hq, Hkv=hkv, causal=c["causal"], window=window)
+            row = dict(case=c["name"], B=b, S=s, Hq=hq, Hkv=hkv, D=d, causal=c["causal"], window=window)
+            row["softcap"] = softcap
             try:
-                ms = time_ms(fn, q, k, v, causal, window, mode)
+                if name in checked:
+                    raise checked[name]
+                ms = time_ms(fn, q, k, v, causal, window, mode, softcap)
             except Exception as e:  # an anchor without this feature (e.g. SDPA + window): recorded as missing
                 print(f"{name} {mode} failed on {c}: {type(e).__name__}: {str(e)[:160]}")
                 continue
             work = flops * (3.5 if mode == "fwd+bwd" else 1.0)
             rows.append({**row, "mode": mode, "provider": name, "ms": ms, "tflops": work / ms / 1e9})
+            if name == "kp auto":
+                rows[-1]["chose"] = auto_choice(q, window, softcap, training=mode == "fwd+bwd")
     return rows
+
+
+def auto_choice(q, window: int, softcap: float, training: bool) -> str:
+    """What kp's backend="auto" decided for this benchmark call (kp_attention.backend.decided())."""
+    from kp_attention import backend
+
+    shape = tuple(q.transpose(1, 2).shape)
+    for key, choice in backend.decided().items():
+        if key[0] == "kp_attention.flash_attention" and key[1] == shape and key[6] == softcap and key[-1] == training:
+            if key[5][0] == window:
+                return choice
+    return "?"
 
 
 def render(meta: dict, dense: list[dict]) -> str:
     names = list(dict.fromkeys(r["provider"] for r in dense))
     lines = [
-        f"# Attention, bf16, D {HEAD_DIM}, {meta['device']}",
+        f"# Attention, bf16, {meta['device']}",
         "",
-        f"torch {meta['torch']}, triton {meta['triton']}.",
+        f"torch {meta['torch']}, triton {meta['triton']}, flash-attn-4 {meta.get('flash_attn_4', 'absent')}. "
+        '`kp auto`: kp_attention.flash_attention(backend="auto"), its choice per row in the last column; '
+        "`auto / best`: its TFLOP/s over the best provider's.",
     ]
     lines += [
         "",
         "## TFLOP/s (useful FLOPs)",
         "",
-        "| case | B x S | Hq/Hkv | causal | mode | " + " | ".join(names) + " |",
+        "| case | B x S | Hq/Hkv | D | causal | mode | " + " | ".join(names) + " | auto / best | auto chose |",
     ]
-    lines.append("|---|---|---|---|---|" + "---|" * len(names))
-    keys = dict.fromkeys((r["case"], r["B"], r["S"], r["Hq"], r["Hkv"], r["causal"], r["mode"]) for r in dense)
-    for case, b, s, hq, hkv, causal, mode in keys:
-        by = {
-            r["provider"]: r
-            for r in dense
-            if (r["case"], r["B"], r["S"], r["causal"], r["mode"]) == (case, b, s, causal, mode)
-        }
+    lines.append("|---|---|---|---|---|---|" + "---|" * (len(names) + 2))
+    for key in dict.fromkeys(_key(r) for r in dense):
+        by = {r["provider"]: r for r in dense if _key(r) == key}
+        case, b, s, hq, hkv, d, causal, mode = key
         cells = [f"{by[p]['tflops']:.0f}" if p in by else "-" for p in names]
-        lines.append(f"| {case} | {b} x {s} | {hq}/{hkv} | {causal} | {mode} | " + " | ".join(cells) + " |")
+        best = max((r["tflops"] for p, r in by.items() if p != "kp auto"), default=None)
+        auto = by.get("kp auto")
+        ratio = f"{auto['tflops'] / best:.2f}" if auto and best else "-"
+        cells += [ratio, auto.get("chose", "-") if auto else "-"]
+        lines.append(f"| {case} | {b} x {s} | {hq}/{hkv} | {d} | {causal} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _key(r: dict) -> tuple:
+    return (r["case"], r["B"], r["S"], r["Hq"], r["Hkv"], r.get("D", HEAD_DIM), r["causal"], r["mode"])
 
 
 def plot(dense: list[dict], meta: dict, path) -> None:
@@ -265,7 +320,7 @@ def exact_delta_cost(seq: int = 4096) -> None:
             ms = {}
             for on in (True, False):
                 attention.EXACT_DELTA_MAX_HEAD_DIM = 32 if on else 0
-                ms[on] = time_ms(_kp, q, k, v, causal, -1, "fwd+bwd")
+                ms[on] = time_ms(_kp(), q, k, v, causal, -1, "fwd+bwd")
             attention.EXACT_DELTA_MAX_HEAD_DIM = 32
             print(
                 f"exact delta, D {d}, B{b} S{seq} H{HEADS}, causal={causal}: {ms[True]:.3f} ms on, "
@@ -281,6 +336,7 @@ def main() -> None:
     parser.add_argument("--tune-kernels", nargs="*", help="with --tune: only these kernels (e.g. _attn_bwd_dq)")
     parser.add_argument("--providers", nargs="+", help="time only these (kp always, to check correctness)")
     parser.add_argument("--exact-delta", action="store_true", help="the exact delta's cost at head dims 16, 32")
+    parser.add_argument("--tma", action="store_true", help="also time kp with the forward's TMA loads")
     args = parser.parse_args()
     harness.require_gpu()
     if args.exact_delta:
@@ -290,8 +346,9 @@ def main() -> None:
         tune(args.tune_kernels, args.tune_seq)
         return
     torch._dynamo.config.cache_size_limit = 64
-    dense = run_dense(args.quick, args.providers)
+    dense = run_dense(args.quick, args.providers, args.tma)
     meta = {"kernel": "attention", "dtype": "bfloat16", "head_dim": HEAD_DIM, **harness.versions()}
+    meta["flash_attn_4"] = harness.installed("flash-attn-4")
     md = render(meta, dense)
     if args.providers:  # a partial table (e.g. kp alone, to compare two versions of its kernels) is not the record
         print(md)

@@ -1,4 +1,6 @@
-"""KV-cache decoding: kp.flash_attention_with_kvcache vs SDPA's FlashAttention-2 and cuDNN backends, one run.
+"""KV-cache decoding: kp.flash_attention_with_kvcache vs SDPA's FlashAttention-2 and cuDNN backends and
+FlashAttention-4 (where installed), one run, each timed eager (do_bench on plain calls: the host's launch cost
+included) and replayed from a CUDA graph (the GPU's time alone), with the host's CPU time per eager call.
 
     python benchmarks/bench_decode.py            # writes results/<device>/decode.{json,md,png}
     python benchmarks/bench_decode.py --tune     # sweep kp's split-kernel settings (B16 L32768, B64 L8192, B1 L8192)
@@ -7,13 +9,17 @@ q length 1, Hq 32 / Hkv 8, D 128, bf16. GB/s count the K and V bytes read (what 
 cache in its (B, S, H, D) layout; SDPA gets (B, H, S, D) transposed views of the same tensors. kp is timed with
 its default value check of cache_seqlens (on the device, its flag copied back without blocking) and without it
 (VALIDATE_VALUES = False; the kernels stay in bounds either way). The paged columns read the same
-cache split into pages of 256 and 16 slots in shuffled order through a block_table.
+cache split into pages of 256 and 16 slots in shuffled order through a block_table. `kp auto` is backend="auto"
+(cache_seqlens as a tensor: torch's kernels are left out, they need one length on the host), `kp fa4`
+FlashAttention-4 behind kp's op (the append and value checks kp adds), `fa4` FlashAttention-4's own
+flash_attn_func on the whole cache (every sequence full, as SDPA's columns).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import time
 
 import harness
 import torch
@@ -35,6 +41,29 @@ def _sdpa(backend, q, k, v):
 
     with sdpa_kernel(backend):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+
+
+def _fa4():
+    from flash_attn.cute import flash_attn_func
+
+    def run(q, k, v):
+        out = flash_attn_func(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """The Python thread's CPU time per call, in microseconds (what an eager decode step costs the host)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.thread_time()
+    for _ in range(calls):
+        fn()
+    spent = time.thread_time() - start
+    torch.cuda.synchronize()
+    return spent / calls * 1e6
 
 
 def _kp_unchecked(q, k, v, seqlens, block_table=None):
@@ -84,8 +113,10 @@ def run() -> list[dict]:
         check_correct(q, k, v, seqlens)
         nbytes = 2 * k.numel() * k.element_size()
         fns = {
-            "kp": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens),
+            "kp": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens, backend="kp"),
             "kp (no value check)": functools.partial(_kp_unchecked, q, k, v, seqlens),
+            "kp auto": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens),
+            "kp fa4": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens, backend="fa4"),
         }
         contiguous = _kp_unchecked(q, k, v, seqlens).float()
         for page in PAGES:  # the same cache, paged: only the layout (and BLOCK_N <= page) may change
@@ -100,15 +131,25 @@ def run() -> list[dict]:
             "sdpa flash": functools.partial(_sdpa, SDPBackend.FLASH_ATTENTION, q, k, v),
             "sdpa cudnn": functools.partial(_sdpa, SDPBackend.CUDNN_ATTENTION, q, k, v),
         }
+        try:
+            fns["fa4"] = functools.partial(_fa4(), q, k, v)
+        except Exception as e:
+            print(f"FlashAttention-4 unavailable: {type(e).__name__}: {e}")
         for name, fn in fns.items():
-            try:
-                with torch.no_grad():
-                    ms = harness.bench_ms(fn)
-            except Exception as e:  # an anchor without this case: recorded as missing
-                print(f"{name} decode failed at B{b} L{length}: {type(e).__name__}: {str(e)[:160]}")
-                continue
-            rows.append(dict(B=b, L=length, Hq=HQ, Hkv=HKV, provider=name, ms=ms, gbps=nbytes / ms / 1e6))
+            for mode in MODES:
+                try:
+                    with torch.no_grad():
+                        ms = harness.bench_ms(fn) if mode == "eager" else harness.bench_graph_ms(fn)
+                        host = host_us(fn) if mode == "eager" else None
+                except Exception as e:  # an anchor without this case: recorded as missing
+                    print(f"{name} {mode} decode failed at B{b} L{length}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                row = dict(B=b, L=length, Hq=HQ, Hkv=HKV, provider=name, mode=mode, ms=ms, gbps=nbytes / ms / 1e6)
+                rows.append(row if host is None else dict(row, host_us=host))
     return rows
+
+
+MODES = ("eager", "graph")
 
 
 def render(meta: dict, rows: list[dict]) -> str:
@@ -116,15 +157,26 @@ def render(meta: dict, rows: list[dict]) -> str:
     lines = [
         f"# KV-cache decode, bf16, D {HEAD_DIM}, q length 1, Hq {HQ} / Hkv {HKV}, {meta['device']}",
         "",
-        f"torch {meta['torch']}, triton {meta['triton']}. Cells: GB/s of K + V read (do_bench median).",
-        "",
-        "| B | cache length | " + " | ".join(names) + " |",
-        "|---|---|" + "---|" * len(names),
+        f"torch {meta['torch']}, triton {meta['triton']}, flash-attn-4 {meta.get('flash_attn_4', 'absent')}. "
+        "Cells: GB/s of K + V read (do_bench median), eager and replayed from a CUDA graph; `best anchor`: the "
+        "best of SDPA's FlashAttention-2 and cuDNN and FlashAttention-4 in that mode, `kp / best`: kp's default "
+        "call over it.",
     ]
+    for mode in MODES:
+        lines += ["", f"## {mode}", "", "| B | cache length | " + " | ".join(names) + " | kp / best anchor |"]
+        lines.append("|---|---|" + "---|" * (len(names) + 1))
+        for b, length in CASES:
+            by = {r["provider"]: r for r in rows if (r["B"], r["L"], r.get("mode", "eager")) == (b, length, mode)}
+            cells = [f"{by[p]['gbps']:.0f}" if p in by else "-" for p in names]
+            best = max((by[p]["gbps"] for p in ("sdpa flash", "sdpa cudnn", "fa4") if p in by), default=None)
+            cells.append(f"{by['kp']['gbps'] / best:.2f}x" if best and "kp" in by else "-")
+            lines.append(f"| {b} | {length} | " + " | ".join(cells) + " |")
+    lines += ["", "## Host CPU time per eager call (us, the Python thread's)", ""]
+    lines += ["| B | cache length | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for b, length in CASES:
-        by = {r["provider"]: r for r in rows if (r["B"], r["L"]) == (b, length)}
+        by = {r["provider"]: r for r in rows if (r["B"], r["L"]) == (b, length) and "host_us" in r}
         lines.append(
-            f"| {b} | {length} | " + " | ".join(f"{by[p]['gbps']:.0f}" if p in by else "-" for p in names) + " |"
+            f"| {b} | {length} | " + " | ".join(f"{by[p]['host_us']:.0f}" if p in by else "-" for p in names) + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -133,6 +185,7 @@ def plot(rows: list[dict], meta: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"B{b} L{length}" for b, length in CASES]
+    rows = [r for r in rows if r.get("mode", "eager") == "graph"]
     names = list(dict.fromkeys(r["provider"] for r in rows))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(names)
@@ -140,6 +193,7 @@ def plot(rows: list[dict], meta: dict, path) -> None:
         by = {(r["B"], r["L"]): r["gbps"] for r in rows if r["provider"] == name}
         ax.bar([x + i * width for x in range(len(CASES))], [by.get(c, 0) for c in CASES], width, label=name)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(CASES))], labels)
+    ax.set_xlabel("replayed from a CUDA graph")
     ax.set_ylabel("GB/s of K + V")
     ax.set_title(f"decode, bf16, {meta['device']}")
     ax.legend(fontsize=8)
@@ -183,6 +237,7 @@ def main() -> None:
         return
     rows = run()
     meta = {"kernel": "decode", "dtype": "bfloat16", "head_dim": HEAD_DIM, **harness.versions()}
+    meta["flash_attn_4"] = harness.installed("flash-attn-4")
     md = render(meta, rows)
     out = harness.write_results("decode", meta, rows, md, lambda path: plot(rows, meta, path))
     print(md)

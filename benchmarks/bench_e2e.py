@@ -7,7 +7,9 @@
 Every variant starts from the same bf16 weights and sees the same batches:
 - eager; torch.compile (each decoder layer compiled on its own: torchtitan's habit, and transformers keeps
   `is_causal` for SDPA that way); compile + torchao float8 (tensorwise and rowwise, torchao's own auto filter, the
-  lm_head left out); Liger-Kernel's patch (RoPE, RMSNorm, SwiGLU; eager and compiled; run last, since its RoPE
+  lm_head left out); the same with FlashAttention-4 as the model's attention (its public flash_attn_func
+  registered with transformers' attention registry, the few lines a user writes; compile leaves it out of the graph
+  as its own call); Liger-Kernel's patch (RoPE, RMSNorm, SwiGLU; eager and compiled; run last, since its RoPE
   patch is global to transformers' Llama module); kp.optimize (eager, where it may replay the whole model from
   CUDA graphs; compiled per layer, without that graph; compiled with its choices timed by kp.graph_timer, the
   GPU's time alone, as under compile the host's launch cost overlaps the GPU's work; and eager without its
@@ -57,6 +59,33 @@ def _torchao(recipe: str):
     return build
 
 
+def _fa4_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention-function signature on FlashAttention-4's flash_attn_func (causal, no mask: the
+    benchmark's batches are unpadded)."""
+    from flash_attn.cute import flash_attn_func
+
+    if attention_mask is not None or dropout:
+        raise ValueError("the FlashAttention-4 anchor takes unpadded causal batches without dropout")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = torch.compiler.disable(flash_attn_func)(q, k, v, softmax_scale=scaling, causal=True)
+    return (out[0] if isinstance(out, tuple) else out), None
+
+
+def _fa4(build):
+    """build, with FlashAttention-4 as the model's attention (registered as "fa4_anchor")."""
+
+    def wrapped(model: nn.Module) -> nn.Module:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+        AttentionInterface.register("fa4_anchor", _fa4_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register("fa4_anchor", sdpa_mask)  # no mask built for a plain causal batch
+        model.set_attn_implementation("fa4_anchor")
+        return build(model)
+
+    return wrapped
+
+
 def _liger(compiled: bool):
     def build(model: nn.Module) -> nn.Module:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -79,6 +108,8 @@ def variants(gpu: bool) -> dict:
         out["kp.optimize (graph_timer) + compile"] = demo.compile_layers  # choices by the GPU's time alone
         out["compile + torchao float8 tensorwise"] = _torchao("tensorwise")
         out["compile + torchao float8 rowwise"] = _torchao("rowwise")
+        out["compile + FlashAttention-4"] = _fa4(demo.compile_layers)
+        out["compile + torchao float8 tensorwise + FlashAttention-4"] = _fa4(_torchao("tensorwise"))
         out["Liger"] = _liger(False)
         out["Liger + compile"] = _liger(True)
     return out

@@ -5,6 +5,9 @@
 # Steps: info, tests-PKG, conformance-TIER, conformance-TIER-a then conformance-TIER-b (the tier in two parts, one
 # report: put part a's report back in conformance/reports/ before part b), spec-NAME (one spec file, KP_TIER or small), cpu, demo,
 # tune-NAME, bench-NAME (WORKERS: pytest workers for tests-*, default 8). Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
+# spec-A+B runs several spec files in one pytest (one report). With .fa4b/ carried (../shared tools' device-fa4.sh,
+# whose first half an earlier call on this machine left in /tmp/fa4), FlashAttention-4 is installed first and its
+# compiled kernels are cached on disk for every worker and later call on the machine.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -12,6 +15,10 @@ if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+if [ -f .fa4b/install.sh ]; then
+  bash .fa4b/install.sh && export PYTHONPATH=$(cat /tmp/fa4site/PATHS):$PYTHONPATH
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+fi
 SRC=$(ls -d packages/*/src | tr '\n' :)conformance/src:benchmarks
 LIMIT=${STEP_TIMEOUT:-540}
 # conformance-TIER-a runs these specs, conformance-TIER-b the rest (about half the small tier's time each).
@@ -36,8 +43,9 @@ for step in "$@"; do
         -p no:cacheprovider --rootdir . --durations=25 -n "${WORKERS:-8}" --dist load --maxschedchunk 1 $files ;;
     conformance-*) KP_WORKERS=${WORKERS:-16} KP_TIER=${step#conformance-} timeout "$LIMIT" \
                       python3 -m nox --no-venv -s conformance ;;
-    spec-*) PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=${KP_TIER:-small} timeout "$LIMIT" python3 -m pytest -q \
-              -p no:cacheprovider --rootdir . --durations=15 -n 8 "conformance/specs/test_${step#spec-}.py" ;;
+    spec-*) files=$(for n in $(echo "${step#spec-}" | tr + ' '); do echo "conformance/specs/test_$n.py"; done)
+            PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=${KP_TIER:-small} timeout "$LIMIT" python3 -m pytest -q \
+              -p no:cacheprovider --rootdir . --durations=15 -n "${WORKERS:-8}" $files ;;
     cpu) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/cpu_overhead.py ;;
     demo) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/demo.py ;;
     tune-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#tune-}.py" --tune ;;

@@ -101,6 +101,16 @@ def progress(items, desc: str):
         return items
 
 
+def installed(dist: str) -> str:
+    """A distribution's installed version, or "absent"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "absent"
+
+
 def versions() -> dict[str, str]:
     import triton
 

@@ -7,12 +7,15 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 import kp_attention
 import kp_norms
 import kp_precision
 import kp_sparsity
+from kp_attention.ops import attention_fa4
+from kp_attention.patch import BACKEND_ATTR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,25 +66,39 @@ def _float8_inference(recipe: str) -> Candidate:
 
 
 class Switched(nn.Module):
-    """A Hugging Face attention layer run with another attention implementation of transformers' registry: the
-    config is the model's (shared by its layers), so it is switched for the call only. kp.optimize times and checks
-    a layer with it; the choice itself is made for the whole model (`kp_attention.patch`)."""
+    """A Hugging Face attention layer run with another attention implementation of transformers' registry, and
+    kp_attention's backend for its mask-free calls: the config is the model's (shared by its layers), so both are
+    switched for the call only. kp.optimize times and checks a layer with it; the choice itself is made for the
+    whole model (`kp_attention.patch`)."""
 
-    def __init__(self, module: nn.Module, implementation: str):
+    def __init__(self, module: nn.Module, implementation: str, backend: str = "kp"):
         super().__init__()
-        self.module, self.implementation = module, implementation
+        self.module, self.implementation, self.backend = module, implementation, backend
 
     def forward(self, *args, **kwargs):
         config = self.module.config
-        previous = config._attn_implementation
+        previous = config._attn_implementation, getattr(config, BACKEND_ATTR, None)
         config._attn_implementation = self.implementation
+        setattr(config, BACKEND_ATTR, self.backend)
         try:
             return self.module(*args, **kwargs)
         finally:
-            config._attn_implementation = previous
+            config._attn_implementation = previous[0]
+            if previous[1] is None:
+                delattr(config, BACKEND_ATTR)
+            else:
+                setattr(config, BACKEND_ATTR, previous[1])
 
 
-ATTENTION = Candidate("kp_attention", "attention", lambda m: Switched(m, kp_attention.register()))
+def _attention(backend: str) -> Candidate:
+    name = "kp_attention" if backend == "kp" else f"kp_attention {backend}"
+    return Candidate(name, "attention", lambda m: Switched(m, kp_attention.register(), backend))
+
+
+# kp's kernel, and FlashAttention-4 behind kp's op where it can run (kp-attention[fa4], SM 9.0+): each checked
+# and timed per layer; kp.decisions picks one implementation for the whole model.
+ATTENTION = (_attention("kp"), _attention("fa4"))
+ATTENTION_BACKEND = {c.name: c.name.split(" ")[1] if " " in c.name else "kp" for c in ATTENTION}  # name -> backend
 
 
 def _is_hf_attention(module: nn.Module) -> bool:
@@ -122,7 +139,8 @@ def candidates(kind: str, mode: str) -> list[Candidate]:
     if kind == "linear":
         return [c for c in LINEAR if mode in c.modes]
     if kind == "attention":
-        return [ATTENTION]
+        fa4 = torch.cuda.is_available() and attention_fa4.unavailable(torch.device("cuda")) is None
+        return [c for c in ATTENTION if fa4 or c is ATTENTION[0]]
     flags = _NORM_KINDS[kind]
     family = "glu" if kind == "gated_mlp" else "norms"
     return [Candidate(_NORM_NAMES[kind], family, lambda m: _kp_norms(m, **flags))]

@@ -21,7 +21,7 @@ import kp_attention
 import kp_core
 from kp import cache as disk
 from kp import fusions, graphs
-from kp.candidates import ATTENTION, Candidate, candidates, kind_of
+from kp.candidates import ATTENTION, ATTENTION_BACKEND, Candidate, candidates, kind_of
 from kp.env import environment
 from kp.measure import (
     WHOLE_STEP,
@@ -221,10 +221,10 @@ def _module_swap(site: Site, new: nn.Module, gain_ms: float, family: str) -> Swa
     return Swap(site.name, site.name.count("."), gain_ms, apply, family)
 
 
-def _attention_switch(gain_ms: float) -> Swap:
+def _attention_switch(gain_ms: float, backend: str) -> Swap:
     def apply(model: nn.Module, undo: list) -> None:
         root = next(m for m in model.modules() if hasattr(m, "set_attn_implementation"))
-        kp_attention.patch(root, backend="kp")  # kp.optimize measures kp's kernel itself
+        kp_attention.patch(root, backend=backend)  # the implementation kp.optimize measured (Switched's)
         undo.append((ATTENTION_LAYERS, lambda: kp_attention.unpatch(root)))
 
     return Swap(ATTENTION_LAYERS, -1, gain_ms, apply, "attention")
@@ -451,27 +451,34 @@ def _fusion_swap(f: fusions.Fusable, name: str, gain_ms: float) -> Swap:
 
 
 def _attention(layers: list[Layer], min_speedup: float) -> list[Swap]:
-    """The attention implementation is the model's (one config for every layer): kp's is chosen when it passed
-    its check on every attention layer and their summed time beats PyTorch's by min_speedup."""
-    kp_ms = [
-        next((t.ms for t in layer.tried if t.name == ATTENTION.name and t.ms is not None), None) for layer in layers
-    ]
-    failed = [layer.name for layer, ms in zip(layers, kp_ms) if ms is None]
-    chosen = False
-    if failed:
-        why = f"{ATTENTION.name} not usable on {', '.join(failed)}: kept for every layer (one setting per model)"
-    else:
-        torch_total, kp_total = sum(layer.torch_ms for layer in layers), sum(kp_ms)
-        speedup = torch_total / kp_total
-        chosen = speedup >= min_speedup
-        verdict = "chosen for" if chosen else f"below {min_speedup:.2f}x: kept torch in"
-        why = f"{ATTENTION.name} {speedup:.2f}x over the {len(layers)} attention layers, {verdict} every layer"
+    """The attention implementation is the model's (one config for every layer): of the attention candidates that
+    passed their check on every attention layer, the one with the least summed time is chosen where it beats
+    PyTorch's summed time by min_speedup."""
+    torch_total = sum(layer.torch_ms for layer in layers)
+    totals, failed = {}, {}
+    for c in ATTENTION:
+        ms = [next((t.ms for t in layer.tried if t.name == c.name and t.ms is not None), None) for layer in layers]
+        tried = any(t.name == c.name for layer in layers for t in layer.tried)
+        bad = [layer.name for layer, m in zip(layers, ms) if m is None]
+        if tried and bad:
+            failed[c.name] = bad
+        elif tried:
+            totals[c.name] = sum(ms)
+    best = min(totals, key=totals.get) if totals else None
+    chosen = best is not None and torch_total / totals[best] >= min_speedup
+    speeds = [f"{name} {torch_total / total:.2f}x" for name, total in sorted(totals.items(), key=lambda i: i[1])]
+    whys = [f"{', '.join(speeds)} over the {len(layers)} attention layers"] if speeds else []
+    whys += [f"{name} not usable on {', '.join(bad)}" for name, bad in failed.items()]
+    verdict = f"{best} chosen for" if chosen else f"below {min_speedup:.2f}x: kept torch in"
+    why = f"{'; '.join(whys)}: {verdict} every layer (one setting per model)"
     for layer in layers:
         for t in layer.tried:
-            if t.name == ATTENTION.name and t.status in ("chosen", "slower"):
-                t.status = "chosen" if chosen else "slower"
-        layer.choice, layer.why = (ATTENTION.name if chosen else "torch"), why
-    return [_attention_switch(torch_total - kp_total)] if chosen else []
+            if t.name in totals and t.status in ("chosen", "slower"):
+                t.status = "chosen" if chosen and t.name == best else "slower"
+        layer.choice, layer.why = (best if chosen else "torch"), why
+    if not chosen:
+        return []
+    return [_attention_switch(torch_total - totals[best], ATTENTION_BACKEND[best])]
 
 
 def _never_slower(model, example_inputs, mode, timer, min_speedup, swaps: list[Swap], result: Report) -> list[Swap]:
