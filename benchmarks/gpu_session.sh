@@ -31,8 +31,9 @@ for step in "$@"; do
     info) nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
           python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" ;;
     tests-kp) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider packages/kp/tests ;;
-    tests-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
-               "packages/kp-${step#tests-}/tests" ;;
+    tests-*) dir="packages/kp-${step#tests-}/tests"  # TESTS="test_a.py test_b.py": only those files
+             PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" \
+               $(if [ -n "${TESTS:-}" ]; then for f in $TESTS; do echo "$dir/$f"; done; else echo "$dir"; fi) ;;
     conformance-*-a|conformance-*-b)  # a tier in two calls: part a's report comes back and travels to part b
       tier=${step#conformance-}; part=${tier##*-}; tier=${tier%-*}
       files=$(for f in conformance/specs/test_*.py; do n=$(basename "$f" .py); n=${n#test_}

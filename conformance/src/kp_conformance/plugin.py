@@ -127,10 +127,7 @@ def pytest_runtest_makereport(item, call):
     elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[2]).removeprefix("Skipped: ")
     elif report.outcome == "failed":
-        text = str(report.longrepr).strip() if report.longrepr else ""
-        # the assertion's own message (error, bound) rather than the traceback's last line
-        asserted = [ln.lstrip("E ").strip() for ln in text.splitlines() if ln.startswith("E ") and "Error:" in ln]
-        reason = (asserted[0] if asserted else text.splitlines()[-1] if text else "")[:300]
+        reason = _failure(report)
     kernel = marker.kwargs["kernel"]
     backend = params.get("attention_backend", "kp")  # specs/conftest.py: one cell per attention backend
     cell = {
@@ -142,6 +139,13 @@ def pytest_runtest_makereport(item, call):
         "test": item.nodeid,
     }
     report.user_properties.append(("kp_cell", json.dumps(cell)))
+
+
+def _failure(report) -> str:
+    """A failed report's reason: the assertion's own message (error, bound) rather than the traceback's last line."""
+    text = str(report.longrepr).strip() if report.longrepr else ""
+    asserted = [ln.lstrip("E ").strip() for ln in text.splitlines() if ln.startswith("E ") and "Error:" in ln]
+    return (asserted[0] if asserted else text.splitlines()[-1] if text else "")[:300]
 
 
 def _progress(*fields) -> None:
@@ -165,6 +169,8 @@ def pytest_runtest_logreport(report):
     _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
     if report.failed or (report.skipped and report.when != "teardown"):
         _OUTCOMES[report.nodeid] = report.outcome
+    if report.failed:  # the reason at once: a run killed at its time limit prints no summary
+        _progress("failed", report.nodeid, _failure(report).replace("\n", " "))
     if report.when == "teardown":
         outcome = _OUTCOMES.pop(report.nodeid, "passed")
         _progress("end", f"{_DURATIONS[report.nodeid]:.2f}", outcome, report.nodeid)

@@ -54,7 +54,8 @@ TORCH_OP = "torch::scaled_dot_product_attention"  # the launch record's op of a 
 # (its per-backend cells; docs/ops/attention.md). "auto" leaves the backend out where a predicate holds.
 KNOWN_FAILURES: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {TORCH: [], FA4: []}
 timer: Callable[[str, Callable[[], object]], float] | None = None
-_DECIDED: dict[tuple, str] = {}
+_DECIDED: dict[tuple, str] = {}  # "auto"'s measured choices (what decided() shows)
+_ROUTED: dict[tuple, str] = {}  # every call signature routed so far -> its implementation (route's fast path)
 _DISK: dict | None = None  # the cache file's entries, read once
 log = logging.getLogger("kp.attention")
 
@@ -140,27 +141,34 @@ def route(
     op: str,
     backend: str,
     device: torch.device,
-    refused: dict[str, Optional[str]],
-    features: dict,
     key: tuple,
-    sample: Callable[[], tuple],
-    run: Callable,
-    training: bool = False,
+    training: bool,
+    describe: Callable[[], tuple[dict, dict, Callable, Callable]],
 ) -> str:
     """The implementation this call runs: "kp", "fa4", "torch" or one of TORCH_KERNELS.
 
-    backend: the caller's argument (after kp_core.settings' "attention_backend" pin). refused: backend -> why it
-    cannot take the call (None: it can); features: the call's options, for KNOWN_FAILURES; key: the call's
-    signature beyond op and device. For a measurement, sample() gives fresh inputs of the signature (a tuple, its
-    first three tensors requiring grad when training) and run(name, *inputs) runs implementation `name` on them,
-    returning its output; with training the output's backward is timed too."""
+    backend: the caller's argument (after kp_core.settings' "attention_backend" pin); key: the call's signature
+    beyond op and device, everything the refusals and the choice depend on. The answer is kept per signature, so
+    that a repeated call costs one dict lookup; only a new one calls describe(), which gives (refused, features,
+    sample, run): refused maps a backend to why it cannot take the call (None: it can), features are the call's
+    options for KNOWN_FAILURES, sample() gives fresh inputs of the signature (a tuple, its first three tensors
+    requiring grad when training) and run(name, *inputs) runs implementation `name` on them, returning its output
+    (with training its backward is timed too)."""
+    memo = (op, backend, *key, device, training)
+    found = _ROUTED.get(memo)
+    if found is not None:
+        return found
     check(op, backend)
     if backend == KP:
         return KP
+    refused, features, sample, run = describe()
+    compiling = torch.compiler.is_compiling()
     if backend != AUTO:
         why = refused.get(backend.split(":")[0])
         if why:
             raise ValueError(f"{op}: backend={backend!r} cannot take this call: {why}")
+        if not compiling:
+            _ROUTED[memo] = backend
         return backend
     names = []
     for name in candidates(device):
@@ -169,20 +177,23 @@ def route(
         why = why or known_failure(base, features)
         if why is None:
             names.append(name)
-    if names == [KP]:
-        return KP
-    full = (op, *key, str(device), training)
-    choice = _DECIDED.get(full)
-    if torch.compiler.is_compiling():  # traced: no timing, no file; what an eager call decided, else kp's kernel
-        return KP if choice is None else choice
-    if choice is None:
-        choice = _from_disk(full, names)
+    if names != [KP]:
+        full = (op, *key, str(device), training)
+        choice = _DECIDED.get(full)
+        if compiling:  # traced: no timing, no file; what an eager call decided, else kp's kernel
+            return KP if choice is None else choice
         if choice is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return KP  # nothing can be timed while a graph captures: decided by a later eager call
-            with _disable_current_modes():
-                choice = _measure(op, full, names, sample, run, training)
-        _DECIDED[full] = choice
+            choice = _from_disk(full, names)
+            if choice is None:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    return KP  # nothing can be timed while a graph captures: decided by a later eager call
+                with _disable_current_modes():
+                    choice = _measure(op, full, names, sample, run, training)
+            _DECIDED[full] = choice
+    else:
+        choice = KP
+    if not compiling:
+        _ROUTED[memo] = choice
     return choice
 
 
@@ -326,4 +337,5 @@ def forget() -> None:
     """
     global _DISK
     _DECIDED.clear()
+    _ROUTED.clear()
     _DISK = None

@@ -148,35 +148,38 @@ def _route_dense(op, backend, q, k, v, p: Params, *, mask, alibi, lse, dropout, 
     training = _training(q, k, v)
     window = (p.window_left, p.window_right)
     causal = window == (-1, 0)
-    options = dict(softcap=p.softcap, alibi=alibi, mask=mask, lse=lse, dropout=dropout, top_left=top_left)
-    refused = {
-        backends.TORCH: refuse
-        or backends.torch_refuses(
-            q, k, causal=causal, window=window, deterministic=deterministic and training, **options
-        ),
-        backends.FA4: attention_fa4.refuses(
-            q,
-            k,
-            v,
-            alibi=alibi is not None,
-            mask=mask is not None,
-            dropout=dropout,
-            top_left=top_left,
-            causal=window != (-1, -1),
-        ),
-    }
-    features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
-    key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, window, p.softcap, p.scale, p.bottom_right, lse)
+    flags = (alibi is None, mask is None, dropout, lse, top_left, deterministic, refuse)
+    key = (q.shape, k.shape, v.shape, q.dtype, window, p.softcap, p.scale, p.bottom_right, *flags)
 
-    def run(name, q, k, v):
-        if name.startswith(backends.TORCH):
-            return backends.torch_attention(q, k, v, causal=causal, scale=p.scale, kernel=name)
-        impl = FA4 if name == backends.FA4 else TRITON
-        args = (p.scale, p.softcap, p.window_left, p.window_right, p.bottom_right, p.dropout_p, impl, deterministic)
-        return FLASH(q, k, v, None, alibi, None, *args)[0]
+    def describe():
+        options = dict(softcap=p.softcap, alibi=alibi, mask=mask, lse=lse, dropout=dropout, top_left=top_left)
+        det = deterministic and training
+        refused = {
+            backends.TORCH: refuse
+            or backends.torch_refuses(q, k, causal=causal, window=window, deterministic=det, **options),
+            backends.FA4: attention_fa4.refuses(
+                q,
+                k,
+                v,
+                alibi=alibi is not None,
+                mask=mask is not None,
+                dropout=dropout,
+                top_left=top_left,
+                causal=window != (-1, -1),
+            ),
+        }
+        features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
 
-    sample = lambda: _randn_like((q, k, v), training)  # noqa: E731
-    return backends.route(op, backend, q.device, refused, features, key, sample, run, training)
+        def run(name, q, k, v):
+            if name.startswith(backends.TORCH):
+                return backends.torch_attention(q, k, v, causal=causal, scale=p.scale, kernel=name)
+            impl = FA4 if name == backends.FA4 else TRITON
+            args = (p.scale, p.softcap, p.window_left, p.window_right, p.bottom_right, p.dropout_p, impl, deterministic)
+            return FLASH(q, k, v, None, alibi, None, *args)[0]
+
+        return refused, features, lambda: _randn_like((q, k, v), training), run
+
+    return backends.route(op, backend, q.device, key, training, describe)
 
 
 def flash_attention(
@@ -361,19 +364,22 @@ def flash_attention_varlen(
     if backend != backends.KP:
         training = _training(q, k, v)
         window = (p.window_left, p.window_right)
-        refused = {
-            backends.TORCH: "packed sequences (torch's fused SDPA takes none)",
-            backends.FA4: attention_fa4.refuses(
-                q, k, v, alibi=alibi_slopes is not None, dropout=seed is not None, causal=window != (-1, -1)
-            ),
-        }
-        features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
-        features["varlen"] = True
-        lengths = (cu_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, table is not None)
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, window, p.softcap, p.scale, lengths)
-        sample = lambda: _randn_like((q, k, v), training)  # noqa: E731
-        run_first = lambda name, *t: run(name, *t)[0]  # noqa: E731
-        impl = backends.route(op, backend, q.device, refused, features, key, sample, run_first, training)
+        flags = (alibi_slopes is None, seed is None, table is None, deterministic)
+        key = (q.shape, k.shape, q.dtype, window, p.softcap, p.scale, cu_q.shape, max_seqlen_q, max_seqlen_k, *flags)
+
+        def describe():
+            refused = {
+                backends.TORCH: "packed sequences (torch's fused SDPA takes none)",
+                backends.FA4: attention_fa4.refuses(
+                    q, k, v, alibi=alibi_slopes is not None, dropout=seed is not None, causal=window != (-1, -1)
+                ),
+            }
+            features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
+            features["varlen"] = True
+            sample = lambda: _randn_like((q, k, v), training)  # noqa: E731
+            return refused, features, sample, lambda name, *t: run(name, *t)[0]
+
+        impl = backends.route(op, backend, q.device, key, training, describe)
     out, lse = run(impl, q, k, v)
     if learnable_sink is not None:
         out, lse = _with_sink(out, lse, learnable_sink, 0)
@@ -713,34 +719,38 @@ def _torch_refuses_kvcache(q, cache_seqlens, block_table, options, lse: bool) ->
 
 
 def _route_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, options, lse: bool) -> str:
-    """The implementation of a KV-cache call (kp_attention.backend.route). Measured on the call's own tensors:
-    every candidate writes the same new tokens to the same slots, and the cache is otherwise only read."""
+    """The implementation of a KV-cache call (kp_attention.backend.route), per signature (the lengths' values
+    aside: a decode step's length grows every step). Measured on the call's own tensors: every candidate writes
+    the same new tokens to the same slots, and the cache is otherwise only read."""
     alibi, leftpad, causal, left, right, softcap, scale = options
-    refused = {
-        backends.TORCH: _torch_refuses_kvcache(q, cache_seqlens, block_table, options, lse),
-        backends.FA4: attention_fa4.refuses(
-            q, k_cache, v_cache, alibi=alibi is not None, leftpad=leftpad is not None, causal=causal or right >= 0
-        ),
-    }
-    if torch.compiler.is_compiling() and backend == backends.AUTO:  # a traced call has no real tensors to time
-        refused = {name: why or "nothing to time while torch.compile traces" for name, why in refused.items()}
     window = (left, 0 if causal else right)
-    features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=softcap, training=False, decode=True)
-    lengths = cache_seqlens if isinstance(cache_seqlens, int) else "tensor"
-    key = (tuple(q.shape), tuple(k_cache.shape), q.dtype, window, softcap, scale, lengths, block_table is not None)
-    key += (None if k is None else tuple(k.shape),)
-    seqlens = cache_seqlens
-    if not isinstance(seqlens, torch.Tensor):
-        seqlens = torch.full((q.shape[0],), seqlens, dtype=torch.int32, device=q.device)
+    host = isinstance(cache_seqlens, int)
+    new = None if k is None else k.shape
+    key = (q.shape, k_cache.shape, q.dtype, window, softcap, scale, host, block_table is None, new, lse)
+    key += (alibi is None, leftpad is None)
 
-    def run(name, q, k_cache, v_cache):
-        if name.startswith(backends.TORCH):
-            return _torch_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, name)
-        impl = FA4 if name == backends.FA4 else TRITON
-        return KVCACHE(q, k_cache, v_cache, seqlens, k, v, block_table, *options, 0, impl)[0]
+    def describe():
+        refused = {
+            backends.TORCH: _torch_refuses_kvcache(q, cache_seqlens, block_table, options, lse),
+            backends.FA4: attention_fa4.refuses(
+                q, k_cache, v_cache, alibi=alibi is not None, leftpad=leftpad is not None, causal=causal or right >= 0
+            ),
+        }
+        features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=softcap, training=False)
+        features["decode"] = True
+        seqlens = cache_seqlens
+        if host:
+            seqlens = torch.full((q.shape[0],), seqlens, dtype=torch.int32, device=q.device)
 
-    sample = lambda: (q, k_cache, v_cache)  # noqa: E731
-    return backends.route(KV_FN, backend, q.device, refused, features, key, sample, run)
+        def run(name, q, k_cache, v_cache):
+            if name.startswith(backends.TORCH):
+                return _torch_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, name)
+            impl = FA4 if name == backends.FA4 else TRITON
+            return KVCACHE(q, k_cache, v_cache, seqlens, k, v, block_table, *options, 0, impl)[0]
+
+        return refused, features, lambda: (q, k_cache, v_cache), run
+
+    return backends.route(KV_FN, backend, q.device, key, False, describe)
 
 
 def _torch_kvcache(q, k_cache, v_cache, cache_seqlens: int, k, v, causal: bool, scale: float, kernel: str):
