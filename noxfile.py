@@ -404,6 +404,8 @@ def release(session: nox.Session) -> None:
             smoke = str(_folder(n) / "tests" / "smoke.py")
             # -I: the installed distribution is imported, never the checkout (no cwd or script folder on sys.path)
             session.run(py, "-I", "-c", _SMOKE, n, smoke, external=True, env=_cpu_env())
+            if n in OPTIONAL_EXTRAS:
+                _check_extra(session, py, n, indexes, tmp)
             brought = [*(_canonical(d["metadata"]["name"]) for d in install["install"]), *carried]
             same = i + 1 < len(names) and _third_party(names[i + 1]) == _third_party(n)
             carried = [b for b in brought if b not in RELEASED] if same else []
@@ -503,6 +505,46 @@ def _floor_wheel(session: nox.Session, name: str, tag: str, tmp: Path) -> Path:
 
 
 # What release's clean venv runs for each package: the metadata version against __version__, then its smoke test.
+# Extras that bring another project's kernels, installed in the release dry run beside the package (from the
+# registry) and checked with code run there: package -> (extra, check).
+OPTIONAL_EXTRAS = {
+    "kp-attention": (
+        "fa4",
+        """
+import importlib.metadata, torch
+from kp_attention.ops import attention_fa4
+found = importlib.metadata.version("flash-attn-4")
+assert found in attention_fa4.TESTED, (found, attention_fa4.TESTED)
+interface = attention_fa4.interface()  # imports flash_attn.cute, as on a GPU
+for name in ("_flash_attn_fwd", "_flash_attn_bwd"):  # the private functions kp calls must be there
+    assert callable(getattr(interface, name, None)), name
+print("flash-attn-4", found, "imports; off a GPU:", attention_fa4.unavailable(torch.device("cpu")))
+""",
+    )
+}
+
+
+def _check_extra(session: nox.Session, py: str, name: str, indexes: tuple, tmp: Path) -> None:
+    """Install `name`'s optional kernels extra (OPTIONAL_EXTRAS) into the venv beside it, run its check there, and
+    uninstall what it brought."""
+    import json
+
+    extra, check = OPTIONAL_EXTRAS[name]
+    before = _installed(session, py)
+    report = tmp / f"{name}-{extra}-report.json"
+    want = f"{name}[{extra}]=={_version(name)}"
+    session.run(
+        py, "-m", "pip", "install", "-q", "--no-compile", "--report", str(report), *indexes, TORCH, want, external=True
+    )
+    got = sorted(
+        f"{d['metadata']['name']} {d['metadata']['version']}" for d in json.loads(report.read_text())["install"]
+    )
+    session.log(f"{name}[{extra}]: installed {', '.join(got)}")
+    session.run(py, "-I", "-c", check, external=True, env=_cpu_env())
+    added = sorted(_installed(session, py) - before)
+    session.run(py, "-m", "pip", "uninstall", "-q", "-y", *added, external=True)
+
+
 _SMOKE = """
 import importlib, importlib.metadata, runpy, sys
 name, smoke = sys.argv[1:]

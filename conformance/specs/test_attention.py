@@ -251,9 +251,12 @@ def test_values(dtype, attention_backend, c):
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @settings(PER_BACKEND, max_examples=max(EXAMPLES // 2, 3))
 @given(c=attn_cases())
-def test_gradients(dtype, causal, attention_backend, c):
+def test_gradients(dtype, causal, attention_backend, request, c):
     kc.skip_if_not_covered(dtype, uses_dot=True)
     backend_dtype(attention_backend, dtype)
+    if attention_backend == "fa4" and dtype == torch.float16:  # kept as a test: strict, it turns red once it passes
+        why = backends.known_failure("fa4", {"training": True})
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=why))
     c = fit({**c, "causal": causal}, attention_backend)
     q, k, v = make_qkv(c, dtype)
     fn = lambda q, k, v: kp_attention.flash_attention(q, k, v, **kw(c))  # noqa: E731

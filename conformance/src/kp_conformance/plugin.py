@@ -144,8 +144,14 @@ def pytest_runtest_makereport(item, call):
 def _failure(report) -> str:
     """A failed report's reason: the assertion's own message (error, bound) rather than the traceback's last line."""
     text = str(report.longrepr).strip() if report.longrepr else ""
-    asserted = [ln.lstrip("E ").strip() for ln in text.splitlines() if ln.startswith("E ") and "Error:" in ln]
-    return (asserted[0] if asserted else text.splitlines()[-1] if text else "")[:300]
+    lines = text.splitlines()
+    asserted = [ln.lstrip("E ").strip() for ln in lines if ln.startswith("E ") and "Error:" in ln]
+    reason = (asserted[0] if asserted else lines[-1] if lines else "")[:300]
+    # Hypothesis' falsifying example (the drawn case), which the matrix's reason otherwise leaves out
+    example = next((i for i, ln in enumerate(lines) if "Falsifying example" in ln), None)
+    if example is not None:
+        reason += " | " + " ".join(ln.strip() for ln in lines[example : example + 6])[:700]
+    return reason
 
 
 def _progress(*fields) -> None:

@@ -52,7 +52,20 @@ _SDPA = {"torch:cudnn": "CUDNN_ATTENTION", "torch:flash": "FLASH_ATTENTION"}
 TORCH_OP = "torch::scaled_dot_product_attention"  # the launch record's op of a call torch's kernels ran
 # backend -> [(why, predicate of the call's features)]: where the conformance suite found it missing the rule
 # (its per-backend cells; docs/ops/attention.md). "auto" leaves the backend out where a predicate holds.
-KNOWN_FAILURES: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {TORCH: [], FA4: []}
+# FlashAttention-4's backward (4.0.0b36, H200, 2026-12-01): the spec's float16 gradient cells (test_gradients,
+# drawn cases) gave dk off by 0.26 against a bound of 1.3e-3; the bfloat16 ones did not finish in that run. The
+# fixed-case gradient cells (determinism, fully masked rows, varlen, large logits) passed in both dtypes. Until the
+# failing feature is pinned down, "auto" leaves FlashAttention-4 out of every call that has a backward.
+KNOWN_FAILURES: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
+    TORCH: [],
+    FA4: [
+        (
+            "backward: float16 dk off by 0.26 (bound 1.3e-3) in the spec's drawn gradient cells; bfloat16 not yet "
+            "checked there",
+            lambda call: call.get("training", False),
+        )
+    ],
+}
 timer: Callable[[str, Callable[[], object]], float] | None = None
 _DECIDED: dict[tuple, str] = {}  # "auto"'s measured choices (what decided() shows)
 _ROUTED: dict[tuple, str] = {}  # every call signature routed so far -> its implementation (route's fast path)

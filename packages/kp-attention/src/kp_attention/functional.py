@@ -492,9 +492,10 @@ def scaled_dot_product_attention(
         options = dict(mask=mask, alibi=None, lse=False, dropout=seed is not None, deterministic=False)
         refuse = "key and value head dims differ" if e != ev else None
         impl = _route_dense(op, backend, qt, kt, vt, p, top_left=True, refuse=refuse, **options)
-        if impl.startswith(backends.TORCH):
-            options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-            return backends.sdpa(query, key, value, impl, **options)
+        if impl.startswith(backends.TORCH):  # on the 4-D views: torch's fused kernels take no other rank
+            out = backends.sdpa(q, k, v, impl, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv)
+            out = out.reshape(*batch, hq, lq, ev)
+            return out.squeeze(0) if two_d else out
     out = FLASH(qt, kt, vt, mask, None, seed, *args, FA4 if impl == backends.FA4 else TRITON, False)[0]
     out = out.transpose(1, 2)[..., :ev].reshape(*batch, hq, lq, ev)
     return out.squeeze(0) if two_d else out

@@ -213,4 +213,5 @@ def backward(
         dlse=dlse,
         **window,
     )
-    return dq, dk, dv
+    # contiguous, as the op's fake kernel says (FlashAttention-4 gives them q's, k's and v's own layouts)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
