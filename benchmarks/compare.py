@@ -38,8 +38,20 @@ CELL_FLOOR = 0.10
 PROVIDER_KEYS = ("provider", "variant")
 # Fields that describe a result or the provider, not the case measured: never part of a cell's identity (a run
 # whose router picked another backend is the same cell, and its time is what is checked; bench_distributed's
-# "flags" are each provider's command line).
-NOT_IDENTITY = {"failed", "measured", "report", "router", "backend", "alg_id", "captures", "chosen", "step", "flags"}
+# "flags" are each provider's command line; bench_attention's "chose" is what kp's backend="auto" picked).
+NOT_IDENTITY = {
+    "failed",
+    "measured",
+    "report",
+    "router",
+    "backend",
+    "alg_id",
+    "captures",
+    "chosen",
+    "chose",
+    "step",
+    "flags",
+}
 # Unit-less time columns (ms): bench_sparsity_model's "eager" and "graph".
 UNITLESS_TIMES = {"eager", "graph"}
 # One-off costs (capture, compile), not the steady-state speed the check is about.
