@@ -92,4 +92,5 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, **o
     primals = [t.double() for t in (q, k, v)]
     cot = (dout.double(), torch.zeros_like(lse, dtype=torch.float64) if dlse is None else dlse.double())
     _, pull = torch.func.vjp(f, *primals)
-    return tuple(g.to(t.dtype) for g, t in zip(pull(cot), (q, k, v)))
+    # in q's, k's and v's own layouts, as FlashAttention-4's (torch.empty_like)
+    return tuple(torch.empty_like(t).copy_(g) for g, t in zip(pull(cot), (q, k, v)))

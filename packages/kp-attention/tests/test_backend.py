@@ -211,3 +211,17 @@ def test_bad_backend_names_itself():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="backend"):
         kp_attention.flash_attention(q, k, v, backend="cudnn")
+
+
+def test_the_sdpa_drop_in_hands_torch_four_dimensional_views(accepted):
+    """torch's fused kernels take 4-D inputs only: the drop-in gives them its (B, H, S, E) views of any rank
+    (3-D without heads, broadcast batch dimensions) and returns the caller's shape."""
+    g = torch.Generator().manual_seed(3)
+    for shape_q, shape_kv in (((2, 24, 32), (2, 24, 32)), ((2, 3, 4, 24, 32), (1, 3, 4, 24, 32))):
+        q = torch.randn(shape_q, generator=g).to(DEVICE, torch.float16)
+        k, v = (torch.randn(shape_kv, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+        with kp_core.record_launches() as rec:
+            out = kp_attention.scaled_dot_product_attention(q, k, v, is_causal=True, backend="torch:flash")
+        assert rec.count(backend.TORCH_OP) == 1 and out.shape == shape_q
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)

@@ -283,3 +283,21 @@ def test_the_flashattention_module_and_patch_take_the_backend(stub):
     assert rec.backends("kp::flash_attention") == {attention_fa4.CUTE}
     with pytest.raises(ValueError, match="backend must be one of"):
         fa.flash_attn_func(q, k, v, backend="cudnn")
+
+
+def test_fa4_under_compile_equals_eager_on_strided_inputs(stub):
+    """The op's fake kernels say contiguous outputs and gradients: FlashAttention-4's gradients keep q's, k's and
+    v's layouts, so kp makes them contiguous (a (B, H, S, D) view here, as the SDPA drop-in passes)."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return kp_attention.flash_attention(q * 1, k, v, causal=True, backend="fa4")
+
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        q, k, v = (randn(2, h, 20, 32, seed=30 + h).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
+        out = fn(q, k, v)
+        out.float().square().sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
