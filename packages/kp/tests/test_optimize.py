@@ -334,3 +334,39 @@ def test_the_float64_reference_keeps_every_lower_float_cast_in_float64():
         assert torch.arange(3).float().dtype == torch.float64
         assert torch.ones(2, dtype=torch.float16).half().dtype == torch.float64
         assert torch.zeros(2, dtype=torch.float32).dtype == torch.float64
+
+
+def test_attention_picks_the_fastest_implementation_that_passed_on_every_layer():
+    """Of the attention candidates (kp's kernel, FlashAttention-4 where it runs), the one with the least summed
+    time over the layers, among those checked on every layer, patches the model with its backend."""
+    from kp import decisions
+    from kp.report import Layer, Tried
+
+    def layers(fa4_second):
+        return [
+            Layer(
+                f"layer.{i}",
+                "attention",
+                1.0,
+                [Tried("kp_attention", "slower", 0.8), Tried("kp_attention fa4", "slower", fa4)],
+                "torch",
+                "",
+            )
+            for i, fa4 in enumerate((0.5, fa4_second))
+        ]
+
+    chosen = layers(0.6)
+    (swap,) = decisions._attention(chosen, 1.03)
+    assert all(layer.choice == "kp_attention fa4" for layer in chosen)
+    assert "kp_attention fa4 1.82x, kp_attention 1.25x over the 2 attention layers" in chosen[0].why
+    root = torch.nn.Module()
+    patched = []
+    root.set_attn_implementation = lambda name: None
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(decisions.kp_attention, "patch", lambda model, backend: patched.append(backend))
+        swap.apply(root, [])
+    assert patched == ["fa4"]
+    refused = layers(None)  # FlashAttention-4 not usable on one layer: kp's kernel for the model
+    (swap,) = decisions._attention(refused, 1.03)
+    assert all(layer.choice == "kp_attention" for layer in refused)
+    assert "kp_attention fa4 not usable on layer.1" in refused[0].why
