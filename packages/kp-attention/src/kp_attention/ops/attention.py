@@ -35,8 +35,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 # Eager varlen calls check cu_seqlens' values (one host sync); set False to skip (values are then trusted).
 VALIDATE_CU_SEQLENS = True
-TRITON, FA4 = "triton", "fa4"  # the ops' `impl`: kp's Triton kernels, or FlashAttention-4's (attention_fa4)
-IMPLS = (TRITON, FA4)
+TRITON, FA4 = attention_fa4.TRITON, attention_fa4.FA4  # the ops' `impl`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +50,7 @@ class Params:
     max_seqlen_q: int = 0  # varlen only
     max_seqlen_k: int = 0
     dropout_p: float = 0.0  # with a seed tensor (kp_attention.ops.dropout)
-    impl: str = TRITON  # whose kernels run the call (IMPLS)
+    impl: str = TRITON  # whose kernels run the call (attention_fa4.IMPLS)
     deterministic: bool = False  # FlashAttention-4's backward only: kp's is deterministic always
 
 
@@ -374,21 +373,22 @@ def _check_dropout(op: str, seed, p: Params) -> None:
         raise ValueError(f"{op}: dropout_p > 0 needs dropout_seed, a one-element int64 tensor, got {seed!r}")
 
 
-def _check_fa4(op: str, q, k, v, mask, alibi, p: Params) -> None:
-    """The ops are public: impl="fa4" only for a call FlashAttention-4 can compute, where it can run."""
-    options = dict(alibi=alibi is not None, mask=mask is not None, dropout=p.dropout_p > 0)
-    causal = p.window_left >= 0 or p.window_right >= 0
-    why = attention_fa4.refuses(q, k, v, top_left=not p.bottom_right, causal=causal, **options)
-    if why:
-        raise ValueError(f"{op}: impl='fa4' cannot take this call: {why}")
-
-
 def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params, block_table=None):
     """(out, lse): out like q (contiguous, q's layout), lse fp32 (B, Hq, Sq), or (Hq, total_q) when packed.
     block_table (varlen): k and v are (num_blocks, page, Hkv, D) pages (the public function checks the shapes)."""
     _check_dropout(op, seed, p)
-    if p.impl not in IMPLS:
-        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {p.impl!r}")
+    attention_fa4.check(
+        op,
+        p.impl,
+        q,
+        k,
+        v,
+        alibi=alibi is not None,
+        mask=mask is not None,
+        dropout=p.dropout_p > 0,
+        top_left=not p.bottom_right,
+        causal=p.window_left >= 0 or p.window_right >= 0,
+    )
     _check_devices(
         op,
         q,
@@ -409,7 +409,6 @@ def _forward(op, q, k, v, mask, alibi, seed, cu_q, cu_k, p: Params, block_table=
     if q.numel() == 0 or k.shape[0] == 0 or b == 0 or sq == 0 or sk == 0:  # nothing to launch
         return q.new_zeros(q.shape), _lse_empty(q, b, hq, sq, varlen).fill_(float("-inf"))
     if p.impl == FA4:
-        _check_fa4(op, q, k, v, mask, alibi, p)
         seqused_k = cu_k[1:] - cu_k[:-1] if paged else None  # pages come with key counts, not offsets
         bounds = (p.max_seqlen_q, p.max_seqlen_k) if varlen else (None, None)
         args = (p.scale, p.softcap, p.window_left, p.window_right, cu_q, cu_k, *bounds, block_table, seqused_k)
@@ -639,7 +638,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), lse (B, Hq, Sq); attn_mask broadcasts to (B, Hq, Sq, Sk);
     alibi_slopes fp32 (Hq,) or (B, Hq), not with attn_mask; dropout_p > 0 with dropout_seed (int64 (1,),
-    kp_attention.ops.dropout.draw_seed); impl "triton" or "fa4" (IMPLS); deterministic: FlashAttention-4's
+    kp_attention.ops.dropout.draw_seed); impl "triton" or "fa4" (attention_fa4.IMPLS); deterministic: FlashAttention-4's
     backward without atomics (kp's never has any)."""
     p = Params(
         scale,

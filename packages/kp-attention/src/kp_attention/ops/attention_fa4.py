@@ -28,6 +28,8 @@ import torch
 
 import kp_core
 
+TRITON, FA4 = "triton", "fa4"  # the ops' `impl`: kp's Triton kernels, or this module's calls
+IMPLS = (TRITON, FA4)
 CUTE = "cute"  # the launch record's backend of FlashAttention-4's kernels (kp_core.Launch.backend)
 TESTED = ("4.0.0b36",)  # flash-attn-4 versions kp-attention was checked with (its [fa4] extra pins them)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -123,6 +125,16 @@ def refuses(
     if causal and top_left and q.shape[-3] != k.shape[-3]:
         return "causal with Sq != Sk and torch's top-left diagonal (FlashAttention-4's is bottom-right)"
     return unavailable(q.device)
+
+
+def check(op: str, impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **call) -> None:
+    """The ops are public: `impl` one of IMPLS, and "fa4" only for a call FlashAttention-4 can compute where it can
+    run (`refuses`, with `call`'s options); ValueError naming why otherwise."""
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+    why = refuses(q, k, v, **call) if impl == FA4 else None
+    if why:
+        raise ValueError(f"{op}: impl='fa4' cannot take this call: {why}")
 
 
 def _window(left: int, right: int) -> dict:

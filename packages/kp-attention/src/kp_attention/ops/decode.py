@@ -43,7 +43,7 @@ PAGE_MULTIPLE = 16  # paged block_size must be a multiple of this (the smallest 
 # A table of one page per sequence (FlashAttention's cache_batch_idx) takes any block_size: the kernels see this
 # page size, so every key's page index is 0 and its slot its position (one compiled kernel for any cache length).
 ONE_PAGE = 1 << 30
-TRITON, FA4 = "triton", "fa4"  # the op's `impl`, as kp::flash_attention's (ops/attention.py)
+TRITON, FA4 = attention_fa4.TRITON, attention_fa4.FA4  # the op's `impl`, as kp::flash_attention's
 
 
 def kernel_page(k_cache: torch.Tensor, block_table: torch.Tensor) -> int:
@@ -342,15 +342,8 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Sq, Hq, D) in q's dtype, lse (B, Hq, Sq) fp32); writes k, v into the caches first. impl: "triton"
     (kp's kernels) or "fa4" (see the module docstring)."""
-    if impl not in (TRITON, FA4):
-        raise ValueError(f"{FN}: impl must be one of {(TRITON, FA4)}, got {impl!r}")
-    if impl == FA4:
-        leftpad, right = cache_leftpad is not None, 0 if causal else window_right
-        why = attention_fa4.refuses(
-            q, k_cache, v_cache, alibi=alibi_slopes is not None, leftpad=leftpad, causal=causal or right >= 0
-        )
-        if why:
-            raise ValueError(f"{FN}: impl='fa4' cannot take this call: {why}")
+    leftpad, diagonal = cache_leftpad is not None, causal or window_right >= 0
+    attention_fa4.check(FN, impl, q, k_cache, v_cache, alibi=alibi_slopes is not None, leftpad=leftpad, causal=diagonal)
     for name, t in (
         ("k_cache", k_cache),
         ("v_cache", v_cache),
