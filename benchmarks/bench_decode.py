@@ -10,7 +10,8 @@ cache in its (B, S, H, D) layout; SDPA gets (B, H, S, D) transposed views of the
 its default value check of cache_seqlens (on the device, its flag copied back without blocking) and without it
 (VALIDATE_VALUES = False; the kernels stay in bounds either way). The paged columns read the same
 cache split into pages of 256 and 16 slots in shuffled order through a block_table. `kp auto` is backend="auto"
-(cache_seqlens as a tensor: torch's kernels are left out, they need one length on the host), `kp fa4`
+(cache_seqlens as a tensor: torch's kernels are left out, they need one length on the host), `kp auto (host
+length)` the same call with cache_seqlens an int (torch's kernels among the candidates), `kp fa4`
 FlashAttention-4 behind kp's op (the append and value checks kp adds), `fa4` FlashAttention-4's own
 flash_attn_func on the whole cache (every sequence full, as SDPA's columns).
 """
@@ -116,6 +117,7 @@ def run() -> list[dict]:
             "kp": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens, backend="kp"),
             "kp (no value check)": functools.partial(_kp_unchecked, q, k, v, seqlens),
             "kp auto": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens),
+            "kp auto (host length)": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, length),
             "kp fa4": functools.partial(kp_attention.flash_attention_with_kvcache, q, k, v, seqlens, backend="fa4"),
         }
         contiguous = _kp_unchecked(q, k, v, seqlens).float()
@@ -160,16 +162,18 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"torch {meta['torch']}, triton {meta['triton']}, flash-attn-4 {meta.get('flash_attn_4', 'absent')}. "
         "Cells: GB/s of K + V read (do_bench median), eager and replayed from a CUDA graph; `best anchor`: the "
         "best of SDPA's FlashAttention-2 and cuDNN and FlashAttention-4 in that mode, `kp / best`: kp's default "
-        "call over it.",
+        "call over it (cache_seqlens a tensor), `auto (host length) / best`: backend=\"auto\" given the length as an "
+        "int.",
     ]
     for mode in MODES:
-        lines += ["", f"## {mode}", "", "| B | cache length | " + " | ".join(names) + " | kp / best anchor |"]
-        lines.append("|---|---|" + "---|" * (len(names) + 1))
+        head = " | ".join(names) + " | kp / best anchor | auto (host length) / best |"
+        lines += ["", f"## {mode}", "", "| B | cache length | " + head, "|---|---|" + "---|" * (len(names) + 2)]
         for b, length in CASES:
             by = {r["provider"]: r for r in rows if (r["B"], r["L"], r.get("mode", "eager")) == (b, length, mode)}
             cells = [f"{by[p]['gbps']:.0f}" if p in by else "-" for p in names]
             best = max((by[p]["gbps"] for p in ("sdpa flash", "sdpa cudnn", "fa4") if p in by), default=None)
-            cells.append(f"{by['kp']['gbps'] / best:.2f}x" if best and "kp" in by else "-")
+            for ours in ("kp", "kp auto (host length)"):
+                cells.append(f"{by[ours]['gbps'] / best:.2f}x" if best and ours in by else "-")
             lines.append(f"| {b} | {length} | " + " | ".join(cells) + " |")
     lines += ["", "## Host CPU time per eager call (us, the Python thread's)", ""]
     lines += ["| B | cache length | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
@@ -215,7 +219,7 @@ def _tune_case(b: int, length: int) -> None:
         kp_core.pin("_decode_split", block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
         decode_mod.WAVES = cfg[3]
         try:
-            ms = harness.bench_ms(functools.partial(_kp_unchecked, q, k, v, seqlens))
+            ms = harness.bench_graph_ms(functools.partial(_kp_unchecked, q, k, v, seqlens))  # the GPU's time
         except Exception as e:  # out of shared memory, or a compile failure: reported, skipped
             print(f"  decode {cfg}: {type(e).__name__}: {str(e)[:100]}")
             continue

@@ -5,7 +5,7 @@
 # Steps: info, tests-PKG, conformance-TIER, conformance-TIER-a then conformance-TIER-b (the tier in two parts, one
 # report: put part a's report back in conformance/reports/ before part b), spec-NAME (one spec file, KP_TIER or small), cpu, demo,
 # tune-NAME, bench-NAME (WORKERS: pytest workers for tests-*, default 8). Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
-# spec-A+B runs several spec files in one pytest (one report). With .fa4b/ carried (../shared tools' device-fa4.sh,
+# spec-A+B runs several spec files in one pytest (one report; SPEC_K: a pytest -k expression). With .fa4b/ carried (../shared tools' device-fa4.sh,
 # whose first half an earlier call on this machine left in /tmp/fa4), FlashAttention-4 is installed first and its
 # compiled kernels are cached on disk for every worker and later call on the machine.
 set -uo pipefail
@@ -46,7 +46,7 @@ for step in "$@"; do
                       python3 -m nox --no-venv -s conformance ;;
     spec-*) files=$(for n in $(echo "${step#spec-}" | tr + ' '); do echo "conformance/specs/test_$n.py"; done)
             PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=${KP_TIER:-small} timeout "$LIMIT" python3 -m pytest -q \
-              -p no:cacheprovider --rootdir . --durations=15 -n "${WORKERS:-8}" $files ;;
+              -p no:cacheprovider --rootdir . --durations=15 -n "${WORKERS:-8}" -k "${SPEC_K:-}" $files ;;
     cpu) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/cpu_overhead.py ;;
     demo) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/demo.py ;;
     tune-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#tune-}.py" --tune ;;

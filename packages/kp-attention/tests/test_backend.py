@@ -225,3 +225,32 @@ def test_the_sdpa_drop_in_hands_torch_four_dimensional_views(accepted):
         assert rec.count(backend.TORCH_OP) == 1 and out.shape == shape_q
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_a_forced_torch_kernel_restores_torch_s_switches_even_when_it_fails():
+    """backends.sdpa switches torch's SDPA backends as sdpa_kernel does (without its context manager's cost): on
+    the way out, whatever happened, every switch is as it was."""
+    names = ("flash", "mem_efficient", "math", "cudnn")
+    before = [getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in names]
+    q = torch.randn(1, 2, 8, 16)  # CPU: torch's cuDNN kernel cannot run here
+    with pytest.raises(RuntimeError):
+        backend.sdpa(q, q, q, "torch:cudnn")
+    assert [getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in names] == before
+    torch._C._set_sdp_use_math(False)
+    try:
+        out = backend.sdpa(q, q, q, "torch:flash", is_causal=True)  # switched on for this call alone
+        assert not torch._C._get_math_sdp_enabled() and torch._C._get_flash_sdp_enabled()
+    finally:
+        torch._C._set_sdp_use_math(before[2])
+    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, ref)
+
+
+def test_torch_s_flash_kernel_is_refused_top_left_causal_with_sq_not_sk(accepted):
+    """The SDPA drop-in's causal diagonal is torch's (top-left): cuDNN takes Sq != Sk there, FlashAttention-2 not."""
+    q, k, v = (torch.randn(1, 2, s, 32).to(DEVICE, torch.float16) for s in (5, 9, 9))
+    with pytest.raises(ValueError, match="backend='torch:flash' cannot take this call: causal with Sq != Sk"):
+        kp_attention.scaled_dot_product_attention(q, k, v, is_causal=True, backend="torch:flash")
+    with kp_core.record_launches() as rec:
+        kp_attention.scaled_dot_product_attention(q, k, k, is_causal=False, backend="torch:flash")
+    assert rec.count(backend.TORCH_OP, kernel="torch:flash") == 1

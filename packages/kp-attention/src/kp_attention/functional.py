@@ -168,7 +168,10 @@ def _route_dense(op, backend, q, k, v, p: Params, *, mask, alibi, lse, dropout, 
                 causal=window != (-1, -1),
             ),
         }
+        if causal and q.shape[1] != k.shape[1]:  # top-left (else refused above): cuDNN takes it, FA2 does not
+            refused["torch:flash"] = "causal with Sq != Sk (torch's FlashAttention-2 kernel needs Sq = Sk for it)"
         features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
+        features["gqa"] = q.shape[2] != k.shape[2]
 
         def run(name, q, k, v):
             if name.startswith(backends.TORCH):
@@ -375,7 +378,7 @@ def flash_attention_varlen(
                 ),
             }
             features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
-            features["varlen"] = True
+            features.update(varlen=True, gqa=q.shape[1] != k.shape[1])
             sample = lambda: _randn_like((q, k, v), training)  # noqa: E731
             return refused, features, sample, lambda name, *t: run(name, *t)[0]
 
@@ -762,6 +765,6 @@ def _torch_kvcache(q, k_cache, v_cache, cache_seqlens: int, k, v, causal: bool, 
         index = (slice(None), slice(n, n + k.shape[1]))
         k_cache[index], v_cache[index] = k, v
         n += k.shape[1]
-    t = [x.transpose(1, 2) for x in (q, k_cache[:, :n], v_cache[:, :n])]
+    t = [x.transpose(1, 2) for x in (q, k_cache.narrow(1, 0, n), v_cache.narrow(1, 0, n))]
     gqa = q.shape[2] != k_cache.shape[2]
     return backends.sdpa(*t, kernel, scale=scale, enable_gqa=gqa).transpose(1, 2)

@@ -65,6 +65,7 @@ VALIDATE_VALUES = True
 REPORT_EVERY = 16
 WAVES = 3  # auto num_splits aims at this many programs per SM (B * Hkv * splits ~ WAVES * SMs)
 MAX_BLOCK_M = 64  # query rows (group * Sq) per program; more rows take several programs
+COMBINE_BLOCK_D = 32  # head-dim slice per combine program (up to 128 splits merged in one load)
 
 
 LONG_STREAM = 2048  # keys per program from which the small-tile setting below streams faster
@@ -472,13 +473,13 @@ def forward(
         OP, backend, kernels._decode_split, (programs, splits), args, switches, tiles["num_warps"], tiles["num_stages"]
     )
     if splits > 1:
-        block_d_c = kp_core.next_power_of_2(d)
+        block_d_c = min(COMBINE_BLOCK_D, kp_core.next_power_of_2(d))
         block_s = max(2, min(kp_core.next_power_of_2(splits), max(2, 4096 // block_d_c)))
         kp_core.launch(
             OP,
             backend,
             kernels._decode_combine,
-            (batch * hq * sq,),
+            (batch * hq * sq, kp_core.cdiv(d, block_d_c)),
             (o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), lse, hq, sq, splits),
             dict(D=d, BLOCK_S=block_s, BLOCK_D=block_d_c, IEEE=q.dtype == torch.float32),
             4 if block_s * block_d_c >= 2048 else 2,

@@ -218,14 +218,16 @@ def _decode_combine(
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """One output row (b, q head, query): lse = log2 sum_s 2^lse_s, out = sum_s 2^(lse_s - lse) out_s (natural
-    log and exp for fp32 inputs, IEEE, whose partials are in natural units)."""
+    """One output row (b, q head, query) x one BLOCK_D slice of the head dim: lse = log2 sum_s 2^lse_s,
+    out = sum_s 2^(lse_s - lse) out_s (natural log and exp for fp32 inputs, IEEE, whose partials are in natural
+    units). The head dim in slices: at batch 1 the rows alone are too few programs to fill the GPU, and each
+    program's loads are one round trip when BLOCK_S covers every split."""
     row = tl.program_id(0).to(tl.int64)  # (b * Hq + hq) * Sq + i
     qi = row % Sq
     hq = (row // Sq) % Hq
     b = row // (Sq * Hq)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     lse_row = LSE_PART + row * num_splits
     m = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
@@ -248,7 +250,8 @@ def _decode_combine(
     lse_units = m_safe + _log_units(tl.where(denom > 0.0, denom, 1.0), IEEE)
     lse_out = tl.where(denom == 0.0, float("-inf"), lse_units if IEEE else lse_units * LN2)
     lse_out = tl.where(denom == denom, lse_out, float("nan"))
-    tl.store(LSE + row, lse_out)
+    if tl.program_id(1) == 0:
+        tl.store(LSE + row, lse_out)
 
 
 @triton.jit
