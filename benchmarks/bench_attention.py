@@ -3,7 +3,7 @@ FlashAttention-4 (CuTe DSL, `flash_attn.cute.flash_attn_func`, where installed),
 routes each signature to the fastest of kp's kernel, torch's fused kernels and FlashAttention-4).
 
     python benchmarks/bench_attention.py            # every case below, writes results/<device>/attention.*
-    python benchmarks/bench_attention.py --quick    # S = 4096 only
+    python benchmarks/bench_attention.py --quick    # S = 4096 only (results/<device>/attention_quick.*)
     python benchmarks/bench_attention.py --tune     # sweep kp's tile settings (bf16, D 128), print the best
     python benchmarks/bench_attention.py --providers kp   # only these providers: printed, results/ left as it is
     python benchmarks/bench_attention.py --providers kp "kp tma"   # the forward's TMA switch against kp's default
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import statistics
 
 import harness
 import torch
@@ -191,21 +192,33 @@ def run_dense(quick: bool, only: list[str] | None = None, with_tma: bool = False
                     raise
                 except Exception as e:  # a provider without this case: recorded as missing below
                     checked[name] = e
-        for (name, fn), mode in itertools.product(provs.items(), ("fwd", "fwd+bwd")):
+        # Every provider timed once per round, REPEATS rounds, the median kept: providers within a few percent of
+        # each other (kp auto and the one it picked) are then not ranked by the GPU's clock drifting between them.
+        times: dict[tuple, list] = {}
+        for _ in range(REPEATS):
+            for (name, fn), mode in itertools.product(provs.items(), ("fwd", "fwd+bwd")):
+                if (name, mode) in checked or name in checked:
+                    continue
+                try:
+                    times.setdefault((name, mode), []).append(time_ms(fn, q, k, v, causal, window, mode, softcap))
+                except Exception as e:  # an anchor without this feature (e.g. SDPA + window): recorded as missing
+                    print(f"{name} {mode} failed on {c}: {type(e).__name__}: {str(e)[:160]}")
+                    checked[(name, mode)] = e
+                    times.pop((name, mode), None)
+        for name, mode in itertools.product(provs, ("fwd", "fwd+bwd")):
+            if (name, mode) not in times:
+                continue
             row = dict(case=c["name"], B=b, S=s, Hq=hq, Hkv=hkv, D=d, causal=c["causal"], window=window)
             row["softcap"] = softcap
-            try:
-                if name in checked:
-                    raise checked[name]
-                ms = time_ms(fn, q, k, v, causal, window, mode, softcap)
-            except Exception as e:  # an anchor without this feature (e.g. SDPA + window): recorded as missing
-                print(f"{name} {mode} failed on {c}: {type(e).__name__}: {str(e)[:160]}")
-                continue
+            ms = statistics.median(times[(name, mode)])
             work = flops * (3.5 if mode == "fwd+bwd" else 1.0)
             rows.append({**row, "mode": mode, "provider": name, "ms": ms, "tflops": work / ms / 1e9})
             if name == "kp auto":
                 rows[-1]["chose"] = auto_choice(q, window, softcap, training=mode == "fwd+bwd")
     return rows
+
+
+REPEATS = 3
 
 
 def auto_choice(q, window: int, softcap: float, training: bool) -> str:
@@ -226,6 +239,7 @@ def render(meta: dict, dense: list[dict]) -> str:
         f"# Attention, bf16, {meta['device']}",
         "",
         f"torch {meta['torch']}, triton {meta['triton']}, flash-attn-4 {meta.get('flash_attn_4', 'absent')}. "
+        f"Median of {REPEATS} rounds, each timing every provider once. "
         '`kp auto`: kp_attention.flash_attention(backend="auto"), its choice per row in the last column; '
         "`auto / best`: its TFLOP/s over the best provider's.",
     ]
@@ -331,6 +345,7 @@ def exact_delta_cost(seq: int = 4096) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="rounds of timing every provider (median kept)")
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-seq", type=int, default=4096, help="with --tune: the sequence length")
     parser.add_argument("--tune-kernels", nargs="*", help="with --tune: only these kernels (e.g. _attn_bwd_dq)")
@@ -346,6 +361,8 @@ def main() -> None:
         tune(args.tune_kernels, args.tune_seq)
         return
     torch._dynamo.config.cache_size_limit = 64
+    global REPEATS
+    REPEATS = args.repeats
     dense = run_dense(args.quick, args.providers, args.tma)
     meta = {"kernel": "attention", "dtype": "bfloat16", "head_dim": HEAD_DIM, **harness.versions()}
     meta["flash_attn_4"] = harness.installed("flash-attn-4")
@@ -353,9 +370,10 @@ def main() -> None:
     if args.providers:  # a partial table (e.g. kp alone, to compare two versions of its kernels) is not the record
         print(md)
         return
-    out = harness.write_results("attention", meta, dense, md, lambda path: plot(dense, meta, path))
+    name = "attention_quick" if args.quick else "attention"  # the S = 4096 rows alone: a record of their own
+    out = harness.write_results(name, meta, dense, md, lambda path: plot(dense, meta, path))
     print(md)
-    print(f"wrote {out}/attention.*")
+    print(f"wrote {out}/{name}.*")
     assert math.isfinite(sum(r.get("tflops", 0.0) for r in dense))
 
 

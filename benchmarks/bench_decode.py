@@ -162,7 +162,7 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"torch {meta['torch']}, triton {meta['triton']}, flash-attn-4 {meta.get('flash_attn_4', 'absent')}. "
         "Cells: GB/s of K + V read (do_bench median), eager and replayed from a CUDA graph; `best anchor`: the "
         "best of SDPA's FlashAttention-2 and cuDNN and FlashAttention-4 in that mode, `kp / best`: kp's default "
-        "call over it (cache_seqlens a tensor), `auto (host length) / best`: backend=\"auto\" given the length as an "
+        'call over it (cache_seqlens a tensor), `auto (host length) / best`: backend="auto" given the length as an '
         "int.",
     ]
     for mode in MODES:

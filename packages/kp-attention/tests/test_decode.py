@@ -351,6 +351,25 @@ def test_bad_input(what, call, error, words):
         call()
 
 
+def test_a_checked_signature_still_checks_what_changes_per_call():
+    """A repeated call skips the checks of its signature (backend.CALLS), never those of what a signature leaves
+    out: an int length's value, num_splits=True where 1 passed, new caches given the new tokens."""
+    kc = _t(2, 16, 2, 8)
+    calls = kp_attention.backend.CALLS
+    calls.clear()
+    fa(Q, kc, kc.clone(), 3, num_splits=1)  # checked, kept
+    fa(Q, kc, kc.clone(), 3, num_splits=1)
+    assert len(calls) == 1, "the second call is the first's signature"
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        fa(Q, kc, kc.clone(), 17, num_splits=1)
+    with pytest.raises(ValueError, match="num_splits"):
+        fa(Q, kc, kc.clone(), 3, num_splits=True)
+    new = dict(k=_t(2, 1, 2, 8), v=_t(2, 1, 2, 8))
+    fa(Q, kc, kc.clone(), 3, **new)
+    with pytest.raises(ValueError, match="must not share memory"):
+        fa(Q, kc, kc, 3, **new)  # one cache for k and v: the new tokens' writes would overlap
+
+
 BAD_VALUES = [  # values only the device sees: (what, call, the words of the "sync" mode's error)
     ("seqlens negative", lambda: fa(Q, KC, KC, _i(-1, 4)), "cache_seqlens"),
     ("seqlens past capacity", lambda: fa(Q, KC, KC, _i(3, 17)), "cache_seqlens"),

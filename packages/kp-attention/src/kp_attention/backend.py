@@ -68,6 +68,10 @@ KNOWN_FAILURES: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
 timer: Callable[[str, Callable[[], object]], float] | None = None
 _DECIDED: dict[tuple, str] = {}  # "auto"'s measured choices (what decided() shows)
 _ROUTED: dict[tuple, str] = {}  # every call signature routed so far -> its implementation (route's fast path)
+# An entry point's checked call signatures -> what it worked out for them (its checks and route skipped): the
+# KV-cache function's, whose decoding steps repeat one signature and are host-bound at batch 1
+CALLS: dict[tuple, tuple] = {}
+MAX_CALLS = 4096
 _DISK: dict | None = None  # the cache file's entries, read once
 log = logging.getLogger("kp.attention")
 
@@ -387,4 +391,5 @@ def forget() -> None:
     global _DISK
     _DECIDED.clear()
     _ROUTED.clear()
+    CALLS.clear()
     _DISK = None

@@ -676,21 +676,43 @@ def flash_attention_with_kvcache(
         (torch.Size([2, 1, 4, 32]), True)
     """
     window = window_pair(window)
-    backends.check(KV_FN, backend)
-    _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits)
-    _check_alibi(KV_FN, alibi_slopes, q.shape[0], q.shape[2], q)
-    _check_sink(KV_FN, learnable_sink, q.shape[2], q)
-    if cache_leftpad is not None:
-        kp_core.check_tensor(KV_FN, "cache_leftpad", cache_leftpad, dtypes=(torch.int32,), ndim=1)
-        kp_core.check_same_device(KV_FN, q=q, cache_leftpad=cache_leftpad)
-        kp_core.check_shape(KV_FN, "cache_leftpad", cache_leftpad, (q.shape[0],))
-    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    options = (alibi_slopes, cache_leftpad, bool(causal), int(window[0]), int(window[1]), float(softcap), scale)
-    impl = backends.KP
-    backend = kp_core.settings("attention_backend", backend=backend)["backend"]
-    if backend != backends.KP:
-        lse = return_lse or learnable_sink is not None
-        impl = _route_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, backend, options, lse)
+    chosen = kp_core.settings("attention_backend", backend=backend)["backend"]
+    signature = None
+    if alibi_slopes is None and cache_leftpad is None and learnable_sink is None:
+        extra = (causal, window, softcap, scale, num_splits, return_lse, backend, chosen)
+        signature = _kv_signature(q, k_cache, v_cache, cache_seqlens, k, v, block_table, extra)
+    try:
+        known = backends.CALLS.get(signature) if signature is not None else None
+    except TypeError:  # an unhashable option: the checks below name it
+        known = signature = None
+    if known is None:
+        backends.check(KV_FN, backend)
+        capacity, new = _check_kvcache(
+            q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits
+        )
+        _check_alibi(KV_FN, alibi_slopes, q.shape[0], q.shape[2], q)
+        _check_sink(KV_FN, learnable_sink, q.shape[2], q)
+        if cache_leftpad is not None:
+            kp_core.check_tensor(KV_FN, "cache_leftpad", cache_leftpad, dtypes=(torch.int32,), ndim=1)
+            kp_core.check_same_device(KV_FN, q=q, cache_leftpad=cache_leftpad)
+            kp_core.check_shape(KV_FN, "cache_leftpad", cache_leftpad, (q.shape[0],))
+        scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+        options = (alibi_slopes, cache_leftpad, bool(causal), int(window[0]), int(window[1]), float(softcap), scale)
+        impl = backends.KP
+        if chosen != backends.KP:
+            lse = return_lse or learnable_sink is not None
+            impl = _route_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, chosen, options, lse)
+        # kept once routed for good: not while traced, nor while a graph captures (route then defers "auto")
+        if signature is not None and not torch.compiler.is_compiling():
+            if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                if len(backends.CALLS) >= backends.MAX_CALLS:  # caches made per request would grow it unbounded
+                    backends.CALLS.clear()
+                backends.CALLS[signature] = (capacity, new, options, impl)
+    else:  # a signature checked before: only an int length's value is new
+        capacity, new, options, impl = known
+        if not isinstance(cache_seqlens, torch.Tensor) and not 0 <= cache_seqlens <= capacity - new:
+            _check_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, window, softcap, num_splits)
+        scale = options[-1]
     if impl.startswith(backends.TORCH):
         return _torch_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, impl)
     if not isinstance(cache_seqlens, torch.Tensor):
@@ -700,6 +722,23 @@ def flash_attention_with_kvcache(
     if learnable_sink is not None:
         out, lse = _with_sink(out, lse, learnable_sink, 1)
     return (out, lse) if return_lse else out
+
+
+def _kv_signature(q, k_cache, v_cache, cache_seqlens, k, v, block_table, extra: tuple) -> Optional[tuple]:
+    """What _check_kvcache and the route depend on in a call without ALiBi, cache_leftpad or sink (an int length's
+    type, not its value), or None where an argument is not what it should be (the checks then say so)."""
+    key = [extra, cache_seqlens.__class__]
+    for t in (q, k_cache, v_cache, k, v, block_table, cache_seqlens):
+        if isinstance(t, torch.Tensor):
+            key.append((t.shape, t.dtype, t.device))
+        elif t is None or t is cache_seqlens:
+            key.append(None)
+        else:
+            return None
+    if k is not None:  # the new tokens go into both caches: check_no_overlap's answer depends on where they are
+        key.append((k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(), v_cache.stride()))
+    extra_types = tuple(x.__class__ for x in extra)  # True == 1 in a key; num_splits=True is refused
+    return (*key, extra_types)
 
 
 def _torch_refuses_kvcache(q, cache_seqlens, block_table, options, lse: bool) -> Optional[str]:

@@ -23,12 +23,13 @@ lengths and page ids it is given, so this launcher clamps them into the cache fi
 sets the bad-input flag as kp's split kernel does (the row is then computed on the clamped length, not NaN).
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 import kp_core
 from kp_attention.ops import attention_fa4
+from kp_core import tuning
 
 if kp_core.has_triton():
     from kp_attention.ops import decode_kernels as kernels
@@ -390,19 +391,20 @@ def forward(
     q = _unit_last(q)
     k_read, v_read = _unit_last(k_cache), _unit_last(v_cache)  # copies only for a cache with strided head dims
     seqlens = seqlens.contiguous()
-    group = hq // hkv
-    block_d = max(16, kp_core.next_power_of_2(d))
-    rows = group * sq
-    block_m = max(16, min(MAX_BLOCK_M, kp_core.next_power_of_2(rows)))
-    m_blocks = kp_core.cdiv(rows, block_m)
-    programs = batch * hkv * m_blocks
-    # Splits are counted in blocks of the smallest BLOCK_N (16) and capped again once the tile is known.
-    splits = num_splits if num_splits > 0 else auto_num_splits(q.device, programs, kp_core.cdiv(capacity, 16))
-    tiles = _split_settings(block_d, q.element_size(), capacity // max(1, splits))
-    kpage = kernel_page(k_cache, block_table) if paged else ONE_PAGE
-    block_n = min(tiles["block_n"], kpage & -kpage)  # a block of keys in one page
-    max_blocks = kp_core.cdiv(capacity, block_n)
-    splits = max(1, min(splits, max_blocks, 65535))
+    plan = _plan(
+        q,
+        k_cache,
+        block_table,
+        alibi_slopes,
+        cache_leftpad,
+        causal,
+        window_left,
+        window_right,
+        softcap,
+        num_splits,
+        capacity,
+    )
+    splits = plan.splits
     out = q.new_empty((batch, sq, hq, d))
     lse = q.new_empty((batch, hq, sq), dtype=torch.float32)
     if splits > 1:
@@ -412,81 +414,149 @@ def forward(
     else:
         o_part = lse_part = lse  # never touched
     bt = _unit_last(block_table) if paged else seqlens
-    right = 0 if causal else window_right
+    qs, ks, vs, os = q.stride(), k_read.stride(), v_read.stride(), out.stride()
+    alibi_strides = (0, 0)
+    if alibi_slopes is not None:
+        alibi_strides = (alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0, alibi_slopes.stride(-1))
     args = (
         q,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
+        qs[0],
+        qs[1],
+        qs[2],
         k_read,
-        k_read.stride(0),
-        k_read.stride(1),
-        k_read.stride(2),
+        ks[0],
+        ks[1],
+        ks[2],
         v_read,
-        v_read.stride(0),
-        v_read.stride(1),
-        v_read.stride(2),
+        vs[0],
+        vs[1],
+        vs[2],
         seqlens,
         bt,
         bt.stride(0) if paged else 0,
         seqlens if alibi_slopes is None else alibi_slopes,
-        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-        0 if alibi_slopes is None else alibi_slopes.stride(-1),
+        *alibi_strides,
         seqlens if cache_leftpad is None else cache_leftpad.contiguous(),
         out,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
+        os[0],
+        os[1],
+        os[2],
         lse,
         o_part,
         lse_part,
         hkv,
-        group,
+        hq // hkv,
         sq,
         splits,
-        m_blocks,
+        plan.m_blocks,
         float(scale),
         float(softcap),
         window_left,
-        right,
+        0 if causal else window_right,
         capacity,
         num_blocks,
         new,
         bad,
     )
-    switches = dict(
+    kp_core.launch(OP, backend, kernels._decode_split, plan.grid, args, plan.consts, plan.num_warps, plan.num_stages)
+    if splits > 1:
+        kp_core.launch(
+            OP,
+            backend,
+            kernels._decode_combine,
+            plan.combine_grid,
+            (o_part, lse_part, out, os[0], os[1], os[2], lse, hq, sq, splits),
+            plan.combine_consts,
+            plan.combine_warps,
+        )
+    if flag is not None and not flag.pending:
+        _copy_back(flag)
+    return out, lse
+
+
+class _Plan(NamedTuple):
+    """A call signature's launch settings (everything but the tensors and the per-call scalars)."""
+
+    splits: int
+    m_blocks: int
+    grid: tuple
+    consts: kp_core.Constexprs
+    num_warps: int
+    num_stages: int
+    combine_grid: tuple
+    combine_consts: Optional[kp_core.Constexprs]
+    combine_warps: int
+
+
+_PLANS: dict = {}
+
+
+def _plan(q, k_cache, block_table, alibi, leftpad, causal, left, right, softcap, num_splits, capacity) -> _Plan:
+    """The launch settings of this signature, worked out once (an eager decoding step is host-bound at batch 1:
+    every microsecond of Python here is one of the step's). Pins and WAVES are part of the key."""
+    paged = block_table is not None
+    key = (q.shape, q.dtype, q.device, k_cache.shape, paged and block_table.shape[1], alibi is None)
+    key += (leftpad is None, causal, left, right, softcap > 0, num_splits, WAVES, tuning.generation())
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 1024:  # a signature per cache length (contiguous caches of many sizes): bounded
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_plan(
+            q, k_cache, block_table, alibi, leftpad, causal, left, right, softcap, num_splits, capacity
+        )
+    return plan
+
+
+def _make_plan(q, k_cache, block_table, alibi, leftpad, causal, left, right, softcap, num_splits, capacity) -> _Plan:
+    batch, sq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    paged = block_table is not None
+    block_d = max(16, kp_core.next_power_of_2(d))
+    rows = hq // hkv * sq
+    block_m = max(16, min(MAX_BLOCK_M, kp_core.next_power_of_2(rows)))
+    m_blocks = kp_core.cdiv(rows, block_m)
+    programs = batch * hkv * m_blocks
+    # Splits are counted in blocks of the smallest BLOCK_N (16) and capped again once the tile is known.
+    splits = num_splits if num_splits > 0 else auto_num_splits(q.device, programs, kp_core.cdiv(capacity, 16))
+    tiles = _split_settings(block_d, q.element_size(), capacity // max(1, splits))
+    kpage = kernel_page(k_cache, block_table) if paged else ONE_PAGE
+    block_n = min(tiles["block_n"], kpage & -kpage)  # a block of keys in one page
+    splits = max(1, min(splits, kp_core.cdiv(capacity, block_n), 65535))
+    ieee = q.dtype == torch.float32
+    consts = kp_core.Constexprs(
         D=d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         PAGE=kpage if paged else 1,
         PAGED=paged,
-        HAS_LEFT=window_left >= 0,
-        HAS_RIGHT=right >= 0,
+        HAS_LEFT=left >= 0,
+        HAS_RIGHT=(0 if causal else right) >= 0,
         SOFTCAP=softcap > 0,
-        HAS_ALIBI=alibi_slopes is not None,
-        HAS_LEFTPAD=cache_leftpad is not None,
-        IEEE=q.dtype == torch.float32,
+        HAS_ALIBI=alibi is not None,
+        HAS_LEFTPAD=leftpad is not None,
+        IEEE=ieee,
         ONE_SPLIT=splits == 1,
     )
-    kp_core.launch(
-        OP, backend, kernels._decode_split, (programs, splits), args, switches, tiles["num_warps"], tiles["num_stages"]
-    )
+    combine_grid, combine_consts, combine_warps = (), None, 0
     if splits > 1:
         block_d_c = min(COMBINE_BLOCK_D, kp_core.next_power_of_2(d))
         block_s = max(2, min(kp_core.next_power_of_2(splits), max(2, 4096 // block_d_c)))
-        kp_core.launch(
-            OP,
-            backend,
-            kernels._decode_combine,
-            (batch * hq * sq, kp_core.cdiv(d, block_d_c)),
-            (o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(2), lse, hq, sq, splits),
-            dict(D=d, BLOCK_S=block_s, BLOCK_D=block_d_c, IEEE=q.dtype == torch.float32),
-            4 if block_s * block_d_c >= 2048 else 2,
-        )
-    if flag is not None and not flag.pending:
-        _copy_back(flag)
-    return out, lse
+        combine_grid = (batch * hq * sq, kp_core.cdiv(d, block_d_c))
+        combine_consts = kp_core.Constexprs(D=d, BLOCK_S=block_s, BLOCK_D=block_d_c, IEEE=ieee)
+        combine_warps = 4 if block_s * block_d_c >= 2048 else 2
+    grid = (programs, splits)
+    return _Plan(
+        splits,
+        m_blocks,
+        grid,
+        consts,
+        tiles["num_warps"],
+        tiles["num_stages"],
+        combine_grid,
+        combine_consts,
+        combine_warps,
+    )
 
 
 def _forward_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *rest):
