@@ -345,7 +345,7 @@ def exact_delta_cost(seq: int = 4096) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=REPEATS, help="rounds of timing every provider (median kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of timing every provider (median kept)")
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--tune-seq", type=int, default=4096, help="with --tune: the sequence length")
     parser.add_argument("--tune-kernels", nargs="*", help="with --tune: only these kernels (e.g. _attn_bwd_dq)")

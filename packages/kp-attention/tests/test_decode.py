@@ -296,6 +296,8 @@ def test_auto_num_splits(monkeypatch):
     assert decode.auto_num_splits(cuda, 8, 10_000) == math.ceil(decode.WAVES * 132 / 8)  # B1 Hkv8: many splits
     assert decode.auto_num_splits(cuda, 8, 4) == 4  # never more than the key blocks
     assert decode.auto_num_splits(cuda, 512, 10_000) == 1  # B64 Hkv8 already fills the GPU
+    full = decode.FULL_WAVES * 132
+    assert decode.auto_num_splits(cuda, full, 10_000) == 1 < decode.auto_num_splits(cuda, full - 1, 10_000)
     assert decode.auto_num_splits(torch.device("cpu"), 2, 100) == 2
 
 

@@ -52,16 +52,17 @@ _SDPA = {"torch:cudnn": "CUDNN_ATTENTION", "torch:flash": "FLASH_ATTENTION"}
 TORCH_OP = "torch::scaled_dot_product_attention"  # the launch record's op of a call torch's kernels ran
 # backend -> [(why, predicate of the call's features)]: where the conformance suite found it missing the rule
 # (its per-backend cells; docs/ops/attention.md). "auto" leaves the backend out where a predicate holds.
-# FlashAttention-4's backward (4.0.0b36, H200, 2026-12-02): with grouped-query heads (Hq != Hkv) dk comes out wrong,
-# 0.25 off where the bound is 9.4e-3 (bfloat16; float16 as far off in the run before), smallest case found: B 1,
-# Sq 1, Sk 97, Hq 2 / Hkv 1, D 80, not causal (the spec's test_fa4_known_failures keeps it, strict). The drawn
-# gradient cells without grouped heads pass in both dtypes, causal or not; so do the forward cells with them.
+# FlashAttention-4's backward (4.0.0b36, H200, 2026-12-02) is wrong at head dims 65 to 96 (its SM 9.0 backward's
+# configuration for them): at D 80, bfloat16, dq / dk / dv off by 0.23 to 2.4 where the bound is 1e-2 to 8e-2, with
+# or without grouped-query heads, causal or not (smallest case: B 1, Sq 1, Sk 97, Hq 2 / Hkv 1, not causal; the
+# spec's test_known_failures keeps it, strict); float16 as far off (dk 0.26) in the run before. D 64 and 128 met the
+# rule in the same grid (Hq / Hkv 1, 2, 4; Sq x Sk 1 x 97, 200 x 200, 64 x 300), as did the spec's drawn cells.
 KNOWN_FAILURES: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
     TORCH: [],
     FA4: [
         (
-            "backward with grouped-query heads (Hq != Hkv): dk off by 0.25 where the bound is 9.4e-3",
-            lambda call: call.get("training", False) and call.get("gqa", False),
+            "backward at head dims 65 to 96: gradients off by 0.2 to 2.4 where the bound is about 1e-2",
+            lambda call: call.get("training", False) and 64 < call.get("head_dim", 0) <= 96,
         )
     ],
 }

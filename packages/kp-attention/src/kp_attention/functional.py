@@ -678,7 +678,8 @@ def flash_attention_with_kvcache(
     window = window_pair(window)
     chosen = kp_core.settings("attention_backend", backend=backend)["backend"]
     signature = None
-    if alibi_slopes is None and cache_leftpad is None and learnable_sink is None:
+    compiling = torch.compiler.is_compiling()  # traced: the checks are traced too, nothing kept
+    if not compiling and alibi_slopes is None and cache_leftpad is None and learnable_sink is None:
         extra = (causal, window, softcap, scale, num_splits, return_lse, backend, chosen)
         signature = _kv_signature(q, k_cache, v_cache, cache_seqlens, k, v, block_table, extra)
     try:
@@ -703,7 +704,7 @@ def flash_attention_with_kvcache(
             lse = return_lse or learnable_sink is not None
             impl = _route_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, chosen, options, lse)
         # kept once routed for good: not while traced, nor while a graph captures (route then defers "auto")
-        if signature is not None and not torch.compiler.is_compiling():
+        if signature is not None:
             if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                 if len(backends.CALLS) >= backends.MAX_CALLS:  # caches made per request would grow it unbounded
                     backends.CALLS.clear()

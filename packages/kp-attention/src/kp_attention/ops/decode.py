@@ -64,7 +64,11 @@ VALIDATE_VALUES = True
 # flag back again; the calls between add no host work (at batch 1 a copy and its event cost about as much host time
 # as the attention itself). A bad value is so reported within about REPORT_EVERY calls, or by check_inputs().
 REPORT_EVERY = 16
-WAVES = 3  # auto num_splits aims at this many programs per SM (B * Hkv * splits ~ WAVES * SMs)
+# auto num_splits: one split where the programs fill FULL_WAVES per SM already, else ~WAVES per SM with splits
+# (B * Hkv * splits ~ WAVES * SMs). H200, B1 L8k, CUDA-graph replay: 4 waves 3184 GB/s against 2631 at 3 (and 2 stages
+# against 3 in _split_settings), `bench_decode.py --tune`.
+FULL_WAVES = 3
+WAVES = 4
 MAX_BLOCK_M = 64  # query rows (group * Sq) per program; more rows take several programs
 COMBINE_BLOCK_D = 32  # head-dim slice per combine program (up to 128 splits merged in one load)
 
@@ -81,7 +85,7 @@ def _split_settings(block_d: int, element_size: int, keys_per_program: int) -> d
         return kp_core.settings("_decode_split", block_n=32, num_warps=2, num_stages=2)
     # ~16 KiB of K per block: enough bytes in flight per stage to stream, no spills for the (M, D) accumulator.
     block_n = max(16, min(128, 8192 // (block_d * element_size) * 2))
-    return kp_core.settings("_decode_split", block_n=block_n, num_warps=4, num_stages=3 if block_d <= 128 else 2)
+    return kp_core.settings("_decode_split", block_n=block_n, num_warps=4, num_stages=2)
 
 
 def auto_num_splits(device: torch.device, programs: int, max_blocks: int) -> int:
@@ -89,10 +93,11 @@ def auto_num_splits(device: torch.device, programs: int, max_blocks: int) -> int
     interpreter runs programs one after another), never more than the key blocks a sequence can have. The rule,
     and how it differs from FlashAttention's num_splits_heuristic: docs/ops/decode.md, "The split count"."""
     if device.type == "cuda":
-        slots = WAVES * kp_core.sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        sms = kp_core.sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        full, slots = FULL_WAVES * sms, WAVES * sms
     else:
-        slots = 4
-    if programs >= slots:
+        full = slots = 4
+    if programs >= full:
         return 1
     return max(1, min(kp_core.cdiv(slots, programs), max_blocks, MAX_SPLITS))
 
@@ -496,7 +501,7 @@ def _plan(q, k_cache, block_table, alibi, leftpad, causal, left, right, softcap,
     every microsecond of Python here is one of the step's). Pins and WAVES are part of the key."""
     paged = block_table is not None
     key = (q.shape, q.dtype, q.device, k_cache.shape, paged and block_table.shape[1], alibi is None)
-    key += (leftpad is None, causal, left, right, softcap > 0, num_splits, WAVES, tuning.generation())
+    key += (leftpad is None, causal, left, right, softcap > 0, num_splits, WAVES, FULL_WAVES, tuning.generation())
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 1024:  # a signature per cache length (contiguous caches of many sizes): bounded
