@@ -259,12 +259,16 @@ def test_values(dtype, attention_backend, c):
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 @settings(PER_BACKEND, max_examples=max(EXAMPLES // 2, 3))
 @given(c=attn_cases())
-def test_gradients(dtype, causal, attention_backend, c):
+def test_gradients(dtype, causal, attention_backend, request, c):
     kc.skip_if_not_covered(dtype, uses_dot=True)
     backend_dtype(attention_backend, dtype)
+    base = attention_backend.split(":")[0]
     c = fit({**c, "causal": causal}, attention_backend)
-    # where the suite found the backend missing the rule "auto" never takes it: test_known_failures keeps that case
-    assume(not backends.known_failure(attention_backend.split(":")[0], features(c, dtype, training=True)))
+    whole_cell = backends.known_failure(base, features(dict(c, d=128, hq=c["hkv"]), dtype, training=True))
+    if whole_cell:  # a failure of the dtype not pinned to a case: the cell runs, and says so either way
+        request.node.add_marker(pytest.mark.xfail(strict=False, reason=f"{whole_cell}; its draws may miss it"))
+    else:  # where the suite found the backend missing the rule "auto" never takes it: test_known_failures keeps it
+        assume(not backends.known_failure(base, features(c, dtype, training=True)))
     q, k, v = make_qkv(c, dtype)
     fn = lambda q, k, v: kp_attention.flash_attention(q, k, v, **kw(c))  # noqa: E731
     try:

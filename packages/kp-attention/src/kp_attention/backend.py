@@ -55,15 +55,21 @@ TORCH_OP = "torch::scaled_dot_product_attention"  # the launch record's op of a 
 # FlashAttention-4's backward (4.0.0b36, H200, 2026-12-02) is wrong at head dims 65 to 96 (its SM 9.0 backward's
 # configuration for them): at D 80, bfloat16, dq / dk / dv off by 0.23 to 2.4 where the bound is 1e-2 to 8e-2, with
 # or without grouped-query heads, causal or not (smallest case: B 1, Sq 1, Sk 97, Hq 2 / Hkv 1, not causal; the
-# spec's test_known_failures keeps it, strict); float16 as far off (dk 0.26) in the run before. D 64 and 128 met the
-# rule in the same grid (Hq / Hkv 1, 2, 4; Sq x Sk 1 x 97, 200 x 200, 64 x 300), as did the spec's drawn cells.
+# spec's test_known_failures keeps it, strict). D 64 and 128 met the rule in the same grid (Hq / Hkv 1, 2, 4;
+# Sq x Sk 1 x 97, 200 x 200, 64 x 300), and the spec's drawn bfloat16 cells passed once D 65-96 was left out. The
+# float16 drawn cells still failed outside those head dims (dk 0.155 where the bound is 1.2e-3; 0.26 the run
+# before), on a case not yet pinned down: every float16 backward is left out until it is.
 KNOWN_FAILURES: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
     TORCH: [],
     FA4: [
         (
             "backward at head dims 65 to 96: gradients off by 0.2 to 2.4 where the bound is about 1e-2",
             lambda call: call.get("training", False) and 64 < call.get("head_dim", 0) <= 96,
-        )
+        ),
+        (
+            "float16 backward: dk off by 0.16 to 0.26 where the bound is 1.2e-3 (a case not yet pinned down)",
+            lambda call: call.get("training", False) and call.get("dtype") == torch.float16,
+        ),
     ],
 }
 timer: Callable[[str, Callable[[], object]], float] | None = None
