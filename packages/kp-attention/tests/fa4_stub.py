@@ -80,8 +80,10 @@ def _flash_attn_fwd(q, k, v, **options):
     return out.to(q.dtype), lse.float(), None, None, None
 
 
-def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, **options):
-    calls.append(("bwd", dict(options, softmax_scale=softmax_scale, causal=causal, softcap=softcap)))
+def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, dq=None, dk=None, dv=None, **options):
+    calls.append(
+        ("bwd", dict(options, softmax_scale=softmax_scale, causal=causal, softcap=softcap, dq=dq, dk=dk, dv=dv))
+    )
     dlse = options.get("dlse")
     fwd_options = dict(options, softmax_scale=softmax_scale, causal=causal, softcap=softcap)
 
@@ -92,5 +94,11 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, softcap, **o
     primals = [t.double() for t in (q, k, v)]
     cot = (dout.double(), torch.zeros_like(lse, dtype=torch.float64) if dlse is None else dlse.double())
     _, pull = torch.func.vjp(f, *primals)
-    # in q's, k's and v's own layouts, as FlashAttention-4's (torch.empty_like)
-    return tuple(torch.empty_like(t).copy_(g) for g, t in zip(pull(cot), (q, k, v)))
+    # into the buffers given (FlashAttention-4 checks their shape, dtype and device, and writes them in their own
+    # layout), else in q's, k's and v's own layouts (its torch.empty_like)
+    given = (dq, dk, dv)
+    for buf, t, name in zip(given, (q, k, v), ("dq", "dk", "dv")):
+        if buf is not None:
+            assert buf.shape == t.shape and buf.dtype == t.dtype and buf.device == t.device, name
+    grads = pull(cot)
+    return tuple((torch.empty_like(t) if b is None else b).copy_(g) for g, t, b in zip(grads, (q, k, v), given))
