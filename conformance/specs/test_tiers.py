@@ -24,7 +24,7 @@ kc.declare(
         "the report of one run over the same files; a stand-in for Triton's compile that does or does not run "
         "its front end",
         dtypes=(),
-        properties=("reproducible_draws", "report_in_parts", "longest_first", "compile_log"),
+        properties=("reproducible_draws", "report_in_parts", "longest_first", "compile_log", "progress"),
     )
 )
 
@@ -200,3 +200,27 @@ def test_compile_log_marks_disk_cache_misses(tmp_path, monkeypatch):
     assert first.startswith(f"kp compiles ({log}): 2 missed the disk cache")
     assert "1 of them a variant compiled already" in first and "1 loaded from it" in first
     assert most == "kp compiles, most missed: _cold 2"
+
+
+@pytest.mark.conformance(kernel="tiers", prop="progress")
+def test_progress_names_the_failing_case(tmp_path):
+    """KP_PROGRESS's line for a failure carries the assertion and Hypothesis' failing case, as it happens (a run
+    killed at its time limit prints no summary)."""
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["kp_conformance.plugin"]\n')
+    test = """
+        import pytest
+        from hypothesis import given, settings, strategies as st
+
+        @pytest.mark.conformance(kernel="fake", prop="drawn")
+        @settings(max_examples=20, derandomize=True, database=None)
+        @given(c=st.fixed_dictionaries({"d": st.sampled_from((64, 80)), "sk": st.integers(1, 9)}))
+        def test_drawn(c):
+            assert c["d"] != 80, "dk: max err 0.25 > bound 0.01"
+    """
+    (tmp_path / "test_drawn.py").write_text(textwrap.dedent(test))
+    progress = tmp_path / "progress.tsv"
+    done, _ = _run(tmp_path, "reports", "test_drawn.py", KP_PROGRESS=str(progress))
+    lines = [line.split("\t") for line in progress.read_text().splitlines()]
+    failed = [fields for fields in lines if fields[1] == "failed"]
+    assert done.returncode == 1 and len(failed) == 1, done.stdout + done.stderr
+    assert "dk: max err 0.25" in failed[0][3] and "'d': 80" in failed[0][3], failed

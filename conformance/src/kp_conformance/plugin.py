@@ -147,10 +147,13 @@ def _failure(report) -> str:
     lines = text.splitlines()
     asserted = [ln.lstrip("E ").strip() for ln in lines if ln.startswith("E ") and "Error:" in ln]
     reason = (asserted[0] if asserted else lines[-1] if lines else "")[:300]
-    # Hypothesis' falsifying example (the drawn case), which the matrix's reason otherwise leaves out
-    example = next((i for i, ln in enumerate(lines) if "Falsifying example" in ln), None)
+    # Hypothesis' falsifying example (the drawn case), which the matrix's reason otherwise leaves out: "Falsifying
+    # example:" in its report, "Failing test case:" in the note it adds to the assertion (a case's dict spans lines)
+    marks = ("Falsifying example", "Failing test case")
+    example = next((i for i, ln in enumerate(lines) if any(m in ln for m in marks)), None)
     if example is not None:
-        reason += " | " + " ".join(ln.strip() for ln in lines[example : example + 6])[:700]
+        shown = " ".join(ln.lstrip("E ").strip() for ln in lines[example : example + 24])
+        reason += " | " + shown[: shown.find(")", shown.find("}")) + 1 or 1200][:1200]
     return reason
 
 

@@ -254,3 +254,60 @@ def test_torch_s_flash_kernel_is_refused_top_left_causal_with_sq_not_sk(accepted
     with kp_core.record_launches() as rec:
         kp_attention.scaled_dot_product_attention(q, k, k, is_causal=False, backend="torch:flash")
     assert rec.count(backend.TORCH_OP, kernel="torch:flash") == 1
+
+
+@pytest.fixture
+def replays(accepted, monkeypatch):
+    """accepted, with replayed timings from a table too: {"kp": ms, "torch": ms} (kp faster replayed)."""
+    times = {"kp": 0.1, "torch": 0.3}
+    replayed = []
+
+    def fake_graph_timer(name, fn):
+        fn()
+        replayed.append(name)
+        return times[name.split(" ")[1].split(":")[0]]
+
+    monkeypatch.setattr(backend, "graph_timer", fake_graph_timer)
+    return accepted[0], replayed
+
+
+def test_a_call_being_captured_takes_what_was_fastest_replayed(replays, monkeypatch):
+    """Decoding-sized calls: timed eagerly the host's cost decides (torch here), replayed from a graph the GPU's
+    (kp here). An eager call runs the eager choice, a call being captured the replayed one, each decided once."""
+    eager_times, replayed = replays
+    eager_times["torch"] = 0.5
+    q, k, v = _qkv()
+    kp_attention.flash_attention(q, k, v, causal=True)  # measures both ways
+    assert sorted(backend.decided().values()) == ["kp", "torch"] and len(replayed) == 2
+    for capturing, ran_kp in ((True, True), (False, False)):
+        monkeypatch.setattr(backend, "capturing", lambda device, now=capturing: now)
+        with kp_core.record_launches() as rec:
+            kp_attention.flash_attention(q, k, v, causal=True)
+        assert bool(rec.backends("kp::flash_attention")) == ran_kp
+        assert (rec.count(backend.TORCH_OP) == 1) != ran_kp
+    assert len(replayed) == 2, "decided once"
+    backend.forget()  # a new process: both choices come from the file
+    monkeypatch.setattr(backend, "capturing", lambda device: True)
+    with kp_core.record_launches() as rec:
+        kp_attention.flash_attention(q, k, v, causal=True)
+    assert rec.backends("kp::flash_attention") and len(replayed) == 2
+    monkeypatch.setattr(backend, "capturing", lambda device: False)
+    q.requires_grad_()
+    kp_attention.flash_attention(q, k, v, causal=True)  # with a backward: timed eagerly alone
+    assert len(replayed) == 2
+
+
+def test_a_kvcache_call_being_captured_takes_what_was_fastest_replayed(replays, monkeypatch):
+    """The KV-cache function's checked signatures (backend.CALLS) keep a captured call's route apart."""
+    eager_times, _ = replays
+    eager_times["torch"] = 0.5
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 1, 4, 32, generator=g).to(DEVICE, torch.float16)
+    caches = [torch.randn(1, 64, 2, 32, generator=g).to(DEVICE, torch.float16) for _ in range(2)]
+    kp_attention.flash_attention_with_kvcache(q, *caches, 9)  # measures both ways
+    for capturing, ran_kp in ((False, False), (True, True), (False, False)):
+        monkeypatch.setattr(backend, "capturing", lambda device, now=capturing: now)
+        with kp_core.record_launches() as rec:
+            kp_attention.flash_attention_with_kvcache(q, *caches, 9)
+        assert bool(rec.backends("kp::flash_attention_with_kvcache")) == ran_kp
+        assert (rec.count(backend.TORCH_OP) == 1) != ran_kp

@@ -23,10 +23,13 @@ conformance rule (found by the suite's per-backend cells): "auto" never picks it
 kp's kernel and costs nothing. `kp_core.pin("attention_backend", backend=...)` overrides the argument.
 
 "auto" times the candidates on fresh random tensors of the signature (torch's cuDNN and FlashAttention-2 kernels
-separately, as "torch:cudnn" and "torch:flash") in an eager call. A call torch.compile traces, or one captured
-into a CUDA graph, takes the choice an eager call of its signature made in this process, else kp's kernel (a
-forced backend is taken as it is). kp.optimize and the benchmarks run one eager step first for that reason.
-`timer` (a function of (name, fn) returning ms) replaces the measurement: tests inject timings with it.
+separately, as "torch:cudnn" and "torch:flash") in an eager call, and, for a call without a backward, replayed from
+a CUDA graph too (the GPU's time alone: at decoding's batch 1 the eager figure is the host's). A call captured into
+a CUDA graph takes the replayed choice, a call torch.compile traces the eager one, each as an eager call of its
+signature made it in this process, else kp's kernel (a forced backend is taken as it is). kp.optimize and the
+benchmarks run one eager step first for that reason.
+`timer` (a function of (name, fn) returning ms) replaces the measurement, `graph_timer` the replayed one: tests
+inject timings with them.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ KNOWN_FAILURES: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
     ],
 }
 timer: Callable[[str, Callable[[], object]], float] | None = None
+graph_timer: Callable[[str, Callable[[], object]], float] | None = None  # replaces _replay_ms (tests)
+REPLAY = "graph replay"  # a decision key's last part for the choice of a call being captured
 _DECIDED: dict[tuple, str] = {}  # "auto"'s measured choices (what decided() shows)
 _ROUTED: dict[tuple, str] = {}  # every call signature routed so far -> its implementation (route's fast path)
 # An entry point's checked call signatures -> what it worked out for them (its checks and route skipped): the
@@ -214,7 +219,8 @@ def route(
     can), features are the call's options for KNOWN_FAILURES, sample() gives fresh inputs of the signature (a tuple,
     its first three tensors requiring grad when training) and run(name, *inputs) runs implementation `name` on
     them, returning its output (with training its backward is timed too)."""
-    memo = (op, backend, *key, device, training)
+    capturing_now = capturing(device)
+    memo = (op, backend, *key, device, training, capturing_now)
     found = _ROUTED.get(memo)
     if found is not None:
         return found
@@ -239,22 +245,47 @@ def route(
             names.append(name)
     if names != [KP]:
         full = (op, *key, str(device), training)
+        replayed = (*full, REPLAY)
         choice = _DECIDED.get(full)
         if compiling:  # traced: no timing, no file; what an eager call decided, else kp's kernel
             return KP if choice is None else choice
         if choice is None:
             choice = _from_disk(full, names)
+            if choice is not None and _from_disk(replayed, names) is not None:
+                _DECIDED[replayed] = _from_disk(replayed, names)
             if choice is None:
-                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                if capturing_now:
                     return KP  # nothing can be timed while a graph captures: decided by a later eager call
                 with _disable_current_modes():
                     choice = _measure(op, full, names, sample, run, training)
             _DECIDED[full] = choice
+        if capturing_now:  # the call is being captured: what was fastest replayed from a graph, where that was timed
+            choice = _DECIDED.get(replayed, choice)
     else:
         choice = KP
     if not compiling:
         _ROUTED[memo] = choice
     return choice
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s current stream (route's replayed choice then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _replay_ms(fn: Callable[[], object]) -> float:
+    """Median ms of fn replayed from a CUDA graph: the GPU's time alone (kp_core.median_ms of an eager call counts
+    the host's launch cost where it exceeds the GPU's, as at decoding's batch 1)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture stream, as torch.cuda.graph asks
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return kp_core.median_ms(graph.replay)
 
 
 def _measure(op, full, names, sample, run, training) -> str:
@@ -277,7 +308,31 @@ def _measure(op, full, names, sample, run, training) -> str:
     times = ", ".join(f"{n} {t:.3f} ms" for n, t in sorted(ms.items(), key=lambda item: item[1]))
     log.info("%s %s: %s -> %s", op, _describe(full), times, choice)
     _store(full, choice, ms)
+    replay = graph_timer or (_replay_ms_named if timer is None and inputs[0].is_cuda else None)
+    if replay is not None and not training and ms:  # a training step's graph is kp-graphs' (its eager choice)
+        _measure_replays(op, full, list(ms), inputs, run, replay)
     return choice
+
+
+def _replay_ms_named(name: str, fn: Callable[[], object]) -> float:
+    return _replay_ms(fn)
+
+
+def _measure_replays(op, full, names, inputs, run, replay) -> None:
+    """The candidates that ran eagerly, timed replayed from a CUDA graph: the choice for a call being captured."""
+    ms = {}
+    with torch.no_grad():
+        for name in names:
+            try:
+                ms[name] = replay(f"{op} {name} replayed", lambda name=name: run(name, *inputs))
+            except Exception as e:  # a kernel that cannot be captured: left out of the replayed choice
+                log.info("%s: %s left out of graph replays: %s: %s", op, name, type(e).__name__, str(e)[:200])
+    if ms:
+        choice = min(ms, key=ms.get)
+        times = ", ".join(f"{n} {t:.3f} ms" for n, t in sorted(ms.items(), key=lambda item: item[1]))
+        log.info("%s %s, replayed from a graph: %s -> %s", op, _describe(full), times, choice)
+        _DECIDED[(*full, REPLAY)] = choice
+        _store((*full, REPLAY), choice, ms)
 
 
 def _describe(full: tuple) -> str:
@@ -328,7 +383,7 @@ def environment(device: torch.device) -> dict:
 
 
 def _entry(full: tuple) -> str:
-    device = torch.device(full[-2])
+    device = torch.device(full[-3] if full[-1] == REPLAY else full[-2])  # (..., device, training[, REPLAY])
     text = json.dumps([environment(device), [str(part) for part in full]], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 

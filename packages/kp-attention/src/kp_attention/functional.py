@@ -680,7 +680,9 @@ def flash_attention_with_kvcache(
     signature = None
     compiling = torch.compiler.is_compiling()  # traced: the checks are traced too, nothing kept
     if not compiling and alibi_slopes is None and cache_leftpad is None and learnable_sink is None:
-        extra = (causal, window, softcap, scale, num_splits, return_lse, backend, chosen)
+        # a call being captured has a route of its own (backend.route's replayed choice)
+        capturing = isinstance(q, torch.Tensor) and backends.capturing(q.device)
+        extra = (causal, window, softcap, scale, num_splits, return_lse, backend, chosen, capturing)
         signature = _kv_signature(q, k_cache, v_cache, cache_seqlens, k, v, block_table, extra)
     try:
         known = backends.CALLS.get(signature) if signature is not None else None
@@ -703,12 +705,11 @@ def flash_attention_with_kvcache(
         if chosen != backends.KP:
             lse = return_lse or learnable_sink is not None
             impl = _route_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, chosen, options, lse)
-        # kept once routed for good: not while traced, nor while a graph captures (route then defers "auto")
-        if signature is not None:
-            if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                if len(backends.CALLS) >= backends.MAX_CALLS:  # caches made per request would grow it unbounded
-                    backends.CALLS.clear()
-                backends.CALLS[signature] = (capacity, new, options, impl)
+        # kept once routed for good: not while traced, nor while a graph captures (route may defer "auto" then)
+        if signature is not None and not capturing:
+            if len(backends.CALLS) >= backends.MAX_CALLS:  # caches made per request would grow it unbounded
+                backends.CALLS.clear()
+            backends.CALLS[signature] = (capacity, new, options, impl)
     else:  # a signature checked before: only an int length's value is new
         capacity, new, options, impl = known
         if not isinstance(cache_seqlens, torch.Tensor) and not 0 <= cache_seqlens <= capacity - new:
