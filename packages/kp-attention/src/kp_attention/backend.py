@@ -251,8 +251,9 @@ def route(
             return KP if choice is None else choice
         if choice is None:
             choice = _from_disk(full, names)
-            if choice is not None and _from_disk(replayed, names) is not None:
-                _DECIDED[replayed] = _from_disk(replayed, names)
+            replay_choice = _from_disk(replayed, names) if choice is not None else None
+            if replay_choice is not None:
+                _DECIDED[replayed] = replay_choice
             if choice is None:
                 if capturing_now:
                     return KP  # nothing can be timed while a graph captures: decided by a later eager call
@@ -273,9 +274,9 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _replay_ms(fn: Callable[[], object]) -> float:
+def _replay_ms(name: str, fn: Callable[[], object]) -> float:
     """Median ms of fn replayed from a CUDA graph: the GPU's time alone (kp_core.median_ms of an eager call counts
-    the host's launch cost where it exceeds the GPU's, as at decoding's batch 1)."""
+    the host's launch cost where it exceeds the GPU's, as at decoding's batch 1). name: as graph_timer's."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the capture stream, as torch.cuda.graph asks
@@ -308,14 +309,10 @@ def _measure(op, full, names, sample, run, training) -> str:
     times = ", ".join(f"{n} {t:.3f} ms" for n, t in sorted(ms.items(), key=lambda item: item[1]))
     log.info("%s %s: %s -> %s", op, _describe(full), times, choice)
     _store(full, choice, ms)
-    replay = graph_timer or (_replay_ms_named if timer is None and inputs[0].is_cuda else None)
+    replay = graph_timer or (_replay_ms if timer is None and inputs[0].is_cuda else None)
     if replay is not None and not training and ms:  # a training step's graph is kp-graphs' (its eager choice)
         _measure_replays(op, full, list(ms), inputs, run, replay)
     return choice
-
-
-def _replay_ms_named(name: str, fn: Callable[[], object]) -> float:
-    return _replay_ms(fn)
 
 
 def _measure_replays(op, full, names, inputs, run, replay) -> None:

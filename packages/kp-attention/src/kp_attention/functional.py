@@ -171,7 +171,6 @@ def _route_dense(op, backend, q, k, v, p: Params, *, mask, alibi, lse, dropout, 
         if causal and q.shape[1] != k.shape[1]:  # top-left (else refused above): cuDNN takes it, FA2 does not
             refused["torch:flash"] = "causal with Sq != Sk (torch's FlashAttention-2 kernel needs Sq = Sk for it)"
         features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
-        features["gqa"] = q.shape[2] != k.shape[2]
 
         def run(name, q, k, v):
             if name.startswith(backends.TORCH):
@@ -378,7 +377,7 @@ def flash_attention_varlen(
                 ),
             }
             features = dict(dtype=q.dtype, head_dim=q.shape[-1], window=window, softcap=p.softcap, training=training)
-            features.update(varlen=True, gqa=q.shape[1] != k.shape[1])
+            features["varlen"] = True
             sample = lambda: _randn_like((q, k, v), training)  # noqa: E731
             return refused, features, sample, lambda name, *t: run(name, *t)[0]
 
