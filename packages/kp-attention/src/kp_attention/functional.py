@@ -727,8 +727,9 @@ def flash_attention_with_kvcache(
 
 def _kv_signature(q, k_cache, v_cache, cache_seqlens, k, v, block_table, extra: tuple) -> Optional[tuple]:
     """What _check_kvcache and the route depend on in a call without ALiBi, cache_leftpad or sink (an int length's
-    type, not its value), or None where an argument is not what it should be (the checks then say so)."""
-    key = [extra, cache_seqlens.__class__]
+    type, not its value), or None where an argument is not what it should be (the checks then say so). extra: the
+    options, num_splits fifth."""
+    key = [extra, cache_seqlens.__class__, extra[4].__class__]  # num_splits: True == 1 in a key, and is refused
     for t in (q, k_cache, v_cache, k, v, block_table, cache_seqlens):
         if isinstance(t, torch.Tensor):
             key.append((t.shape, t.dtype, t.device))
@@ -738,8 +739,7 @@ def _kv_signature(q, k_cache, v_cache, cache_seqlens, k, v, block_table, extra: 
             return None
     if k is not None:  # the new tokens go into both caches: check_no_overlap's answer depends on where they are
         key.append((k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(), v_cache.stride()))
-    extra_types = tuple(x.__class__ for x in extra)  # True == 1 in a key; num_splits=True is refused
-    return (*key, extra_types)
+    return tuple(key)
 
 
 def _torch_refuses_kvcache(q, cache_seqlens, block_table, options, lse: bool) -> Optional[str]:
