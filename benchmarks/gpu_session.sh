@@ -4,7 +4,8 @@
 # the packages' sources on PYTHONPATH. Usage: bash benchmarks/gpu_session.sh STEP...; logs go to $OUT.
 # Steps: info, tests-PKG, conformance-TIER, conformance-TIER-a then conformance-TIER-b (the tier in two parts, one
 # report: put part a's report back in conformance/reports/ before part b), spec-NAME (one spec file, KP_TIER or small), cpu, demo,
-# tune-NAME, bench-NAME (WORKERS: pytest workers for tests-*, default 8). Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
+# tune-NAME, bench-NAME, fa-suite-BACKEND (FlashAttention's test file in .fa-suite/tests/, FA_ARGS: e.g.
+# "--fa-sample 400") (WORKERS: pytest workers for tests-*, default 8). Each step has its own time limit (STEP_TIMEOUT seconds, default 540) so one hang cannot eat the run.
 # spec-A+B runs several spec files in one pytest (one report; SPEC_K: a pytest -k expression). With .fa4b/ carried (../shared tools' device-fa4.sh,
 # whose first half an earlier call on this machine left in /tmp/fa4), FlashAttention-4 is installed first and its
 # compiled kernels are cached on disk for every worker and later call on the machine.
@@ -47,6 +48,10 @@ for step in "$@"; do
     spec-*) files=$(for n in $(echo "${step#spec-}" | tr + ' '); do echo "conformance/specs/test_$n.py"; done)
             PYTHONPATH=$SRC:$PYTHONPATH KP_TIER=${KP_TIER:-small} timeout "$LIMIT" python3 -m pytest -q \
               -p no:cacheprovider --rootdir . --durations=15 -n "${WORKERS:-8}" -k "${SPEC_K:-}" $files ;;
+    fa-suite-*)  # FlashAttention's tests/test_flash_attn.py, carried in .fa-suite/tests/, against one backend
+      PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 -m pytest .fa-suite/tests/test_flash_attn.py -q \
+        -p kp_conformance.fa_suite -p no:cacheprovider --rootdir .fa-suite/tests \
+        --fa-backend "${step#fa-suite-}" --fa-report "$OUT/fa-suite-${step#fa-suite-}.json" ${FA_ARGS:-} ;;
     cpu) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/cpu_overhead.py ;;
     demo) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 benchmarks/demo.py ;;
     tune-*) PYTHONPATH=$SRC:$PYTHONPATH timeout "$LIMIT" python3 "benchmarks/bench_${step#tune-}.py" --tune ;;
