@@ -230,7 +230,7 @@ def route(
     refused, features, sample, run = describe()
     compiling = torch.compiler.is_compiling()
     if backend != AUTO:
-        why = refused.get(backend.split(":")[0]) or refused.get(backend)
+        why = _refusal(refused, backend)
         if why:
             raise ValueError(f"{op}: backend={backend!r} cannot take this call: {why}")
         if not compiling:
@@ -239,7 +239,7 @@ def route(
     names = []
     for name in candidates(device):
         base = name.split(":")[0]
-        why = (refused.get(base) or refused.get(name)) if base != KP else None
+        why = _refusal(refused, name) if base != KP else None
         why = why or known_failure(base, features)
         if why is None:
             names.append(name)
@@ -267,6 +267,11 @@ def route(
     if not compiling:
         _ROUTED[memo] = choice
     return choice
+
+
+def _refusal(refused: dict, name: str) -> str | None:
+    """Why `name` ("fa4", "torch", "torch:cudnn", ...) cannot take the call: its backend's refusal or its own."""
+    return refused.get(name.split(":")[0]) or refused.get(name)
 
 
 def capturing(device: torch.device) -> bool:

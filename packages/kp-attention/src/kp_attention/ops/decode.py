@@ -500,7 +500,7 @@ def _plan(q, k_cache, block_table, alibi, leftpad, causal, left, right, softcap,
     """The launch settings of this signature, worked out once (an eager decoding step is host-bound at batch 1:
     every microsecond of Python here is one of the step's). Pins and WAVES are part of the key."""
     paged = block_table is not None
-    key = (q.shape, q.dtype, q.device, k_cache.shape, paged and block_table.shape[1], alibi is None)
+    key = (q.shape, q.dtype, q.device, k_cache.shape, block_table.shape[1] if paged else None, alibi is None)
     key += (leftpad is None, causal, left, right, softcap > 0, num_splits, WAVES, FULL_WAVES, tuning.generation())
     plan = _PLANS.get(key)
     if plan is None:
