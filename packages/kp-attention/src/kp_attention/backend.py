@@ -55,23 +55,22 @@ _SDPA = {"torch:cudnn": "CUDNN_ATTENTION", "torch:flash": "FLASH_ATTENTION"}
 TORCH_OP = "torch::scaled_dot_product_attention"  # the launch record's op of a call torch's kernels ran
 # backend -> [(why, predicate of the call's features)]: where the conformance suite found it missing the rule
 # (its per-backend cells; docs/ops/attention.md). "auto" leaves the backend out where a predicate holds.
-# FlashAttention-4's backward (4.0.0b36, H200, 2026-12-02) is wrong at head dims 65 to 96 (its SM 9.0 backward's
-# configuration for them): at D 80, bfloat16, dq / dk / dv off by 0.23 to 2.4 where the bound is 1e-2 to 8e-2, with
-# or without grouped-query heads, causal or not (smallest case: B 1, Sq 1, Sk 97, Hq 2 / Hkv 1, not causal; the
-# spec's test_known_failures keeps it, strict). D 64 and 128 met the rule in the same grid (Hq / Hkv 1, 2, 4;
-# Sq x Sk 1 x 97, 200 x 200, 64 x 300), and the spec's drawn bfloat16 cells passed once D 65-96 was left out. The
-# float16 drawn cells still failed outside those head dims (dk 0.155 where the bound is 1.2e-3; 0.26 the run
-# before), on a case not yet pinned down: every float16 backward is left out until it is.
+# FlashAttention-4's backward (4.0.0b36, H200, 2026-12-02) meets the rule at head dims up to 64 and at 128, and
+# misses it above 64 elsewhere: its SM 9.0 backward has one configuration per head-dim range (64, 96, 128, 192, 256:
+# FA3's), tuned at the range's top. At D 80, bfloat16 and float16, dq / dk / dv are off by 0.23 to 2.4 where the
+# bound is 1e-2 to 8e-2, with or without grouped-query heads, causal or not (smallest case: B 1, Sq 1, Sk 97, Hq 2 /
+# Hkv 1, not causal; the spec's test_known_failures keeps it, strict); at D 112 (111 padded) bfloat16 misses by 4x
+# torch's error (dq 2.9e-2, bound 2.2e-2) and float16 does not compile ("failed to partition (112, 80)"). Other dims
+# above 64 (72 to 120, 136 to 256) were not measured and are left out with them. D 64 and 128 met the rule on a grid
+# of fp16 and bf16, grouped or not, causal or not, Sq x Sk from 1 x 97 to 1000 x 1000; D 64 in both dtypes also with
+# softcap 20, window (16, -1) and scale 0.3 (Sq x Sk 1 x 2 to 200 x 200).
 KNOWN_FAILURES: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
     TORCH: [],
     FA4: [
         (
-            "backward at head dims 65 to 96: gradients off by 0.2 to 2.4 where the bound is about 1e-2",
-            lambda call: call.get("training", False) and 64 < call.get("head_dim", 0) <= 96,
-        ),
-        (
-            "float16 backward: dk off by 0.16 to 0.26 where the bound is 1.2e-3 (a case not yet pinned down)",
-            lambda call: call.get("training", False) and call.get("dtype") == torch.float16,
+            "backward at a head dim above 64 other than 128: off by 0.2 to 2.4 at D 80 (bound about 1e-2), 4x "
+            "torch's error or no compile at D 112, others not measured",
+            lambda call: call.get("training", False) and call.get("head_dim", 0) > 64 and call["head_dim"] != 128,
         ),
     ],
 }

@@ -486,10 +486,12 @@ def _dropout_args(p: Params) -> tuple[int, float]:
 
 
 def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, p: Params):
-    """(dq, dk, dv), each contiguous in its input's layout. dlse (may be None) is the gradient that reached lse."""
+    """(dq, dk, dv), each laid out like its input (torch.empty_like: a (B, H, S, D) leaf's transposed view gets its
+    gradient in the leaf's own layout, which autograd then takes without a copy). dlse (may be None) is the gradient
+    that reached lse."""
     b, sq, sk, hq, hkv, d, varlen = _structure(p, q, k, cu_q)
     if q.numel() == 0 or k.numel() == 0 or b == 0 or sq == 0 or sk == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        return tuple(torch.zeros_like(t) for t in (q, k, v))
     if p.impl == FA4:
         bounds = (p.max_seqlen_q, p.max_seqlen_k) if varlen else (None, None)
         args = (p.scale, p.softcap, p.window_left, p.window_right, cu_q, cu_k, *bounds)
@@ -500,10 +502,10 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
         grads = _reference_backward(dout, dlse, q, k, v, mask, alibi, seed, cu_q, cu_k, p)
-        return tuple(g.contiguous() for g in grads)
+        return tuple(_like(g, layout) for g, layout in zip(grads, (q, k, v)))
     if dlse is not None:  # the kernels read dlse in lse's layout
         dlse = dlse.to(torch.float32).contiguous()
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dq, dk, dv = _grads_like(q, k, v)
     lse = lse.contiguous()
     ieee = q.dtype == torch.float32
     exact = exact_delta(q.dtype, d)
@@ -747,8 +749,13 @@ def backward_varlen(
     return _backward(OP_VARLEN_BWD, dout, dlse, q, k, v, out, lse, None, alibi_slopes, dropout_seed, *cu, p)
 
 
-def _like(*tensors) -> tuple:
-    return tuple(t.new_empty(t.shape) for t in tensors)
+def _grads_like(*tensors) -> tuple:
+    """The gradients' buffers, in the real and the fake backward alike (the strides torch.compile plans with)."""
+    return tuple(torch.empty_like(t) for t in tensors)
+
+
+def _like(g: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    return g if g.stride() == layout.stride() else torch.empty_like(layout).copy_(g)
 
 
 def _forward_fake(q, k, v, *rest):
@@ -766,7 +773,7 @@ FLASH = kp_core.op(
     forward,
     _forward_fake,
     backward=backward,
-    backward_fake=lambda dout, dlse, q, k, v, *rest: _like(q, k, v),
+    backward_fake=lambda dout, dlse, q, k, v, *rest: _grads_like(q, k, v),
     save=lambda args, outputs: (*args[:3], *outputs, *args[3:6]),  # q, k, v, out, lse, mask, alibi, dropout seed
     grad_inputs=("q", "k", "v"),
     package=PACKAGE,
@@ -779,7 +786,7 @@ FLASH_VARLEN = kp_core.op(
     forward_varlen,
     _forward_varlen_fake,
     backward=backward_varlen,
-    backward_fake=lambda dout, dlse, q, k, v, *rest: _like(q, k, v),
+    backward_fake=lambda dout, dlse, q, k, v, *rest: _grads_like(q, k, v),
     save=lambda args, outputs: (*args[:3], *outputs, *args[3:8]),  # q, k, v, out, lse, cu_q/k, alibi, seed, pages
     grad_inputs=("q", "k", "v"),
     package=PACKAGE,

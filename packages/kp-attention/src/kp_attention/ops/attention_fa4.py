@@ -207,10 +207,8 @@ def backward(
     lse; deterministic: its backward without atomic adds (slower; kp's Triton backward never has any)."""
     kp_core.note_launch(op, "flash_attn_bwd", CUTE)
     window = _window(window_left, window_right)
-    # Contiguous gradients, as the op's fake kernel says, written so by FlashAttention-4 itself (it takes output
-    # buffers of any layout): left to it, they come in q's, k's and v's layouts, and a (B, H, S, D) view's would
-    # need a copy (H200, B4 S4096: the routed call's forward+backward 0.82x FlashAttention-4's own with that copy)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    # Gradients laid out like q, k and v (as the op's fake kernel says), passed in so the layout is kp's to keep
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     dq, dk, dv = interface()._flash_attn_bwd(
         q,
         k,
