@@ -1,0 +1,398 @@
+"""Conformance spec for kp-losses: cross_entropy and fused_linear_cross_entropy, loss and every gradient, against
+float64 references written from the formulas in plain PyTorch, held to the 2x rule against PyTorch's own
+computation in the input's precision."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kp_conformance as kc
+import kp_core
+import kp_losses
+from kp_conformance import fuzz
+from kp_losses.ops import cross_entropy as ce_mod
+from kp_losses.ops import linear_cross_entropy as lce_mod
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+TIER = kc.current()
+DEVICE = kc.device()
+CE_OPS = (ce_mod.OP, ce_mod.OP_BWD)
+LCE_OPS = (lce_mod.OP, lce_mod.OP_BWD)
+REDUCTIONS = ("mean", "sum", "none")
+
+kc.declare(
+    kc.Spec(
+        name="cross_entropy",
+        package="kp-losses",
+        ops=CE_OPS + LCE_OPS,
+        reference=(
+            "torch.nn.functional.cross_entropy in float64 (its label smoothing and class weights, per row, then "
+            "reduced by hand), on logits z = softcap * tanh(x / softcap) (Gemma 2) with z_loss * logsumexp(z)^2 "
+            "added per counted row, weighted by the target's class weight (PaLM, section 5); the fused form on "
+            "logits x @ W.T + b formed in float64; PyTorch's own low-precision run is the same code in the "
+            "input's dtype"
+        ),
+        dtypes=DTYPES,
+        properties=("values", "gradients", "switches", "no_mutation", "determinism", "zero_size", "bad_input"),
+    )
+)
+
+
+def reference(x, t, weight, ignore_index, reduction, smoothing, z_loss, softcap):
+    """The loss from the formulas, in x's dtype (float64 for the reference, the input's for PyTorch's own run)."""
+    z = softcap * torch.tanh(x / softcap) if softcap else x
+    w = None if weight is None else weight.to(x.dtype)
+    rows = F.cross_entropy(z, t, w, ignore_index=ignore_index, reduction="none", label_smoothing=smoothing)
+    counted = t != ignore_index
+    w_t = torch.ones_like(rows) if w is None else w[t.clamp(0, x.shape[1] - 1)]
+    if z_loss:
+        rows = rows + z_loss * torch.logsumexp(z, 1) ** 2 * counted * w_t
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total if reduction == "sum" else total / (w_t * counted).sum()
+
+
+# Classes: tiny, around the kernels' slices (the interpreter's 256, the GPU's 4096), odd, and vocabularies of
+# real models (GPT-2 50257, Llama 3 128256, Qwen 2 152064, Gemma 256000, 262144), up to the tier's widest row.
+CLASSES = (1, 2, 3, 5, 17, 255, 256, 257, 1000, 4095, 4097, 10007, 32000, 50257, 128256, 152064, 256000, 262144)
+
+
+@st.composite
+def ce_cases(draw, fused=False):
+    widest = max(TIER.max_cols, 300)
+    c = draw(st.sampled_from([n for n in CLASSES if n <= widest]))
+    rows = draw(st.sampled_from([1, 2, 3, 7, 16, 33, 65]))
+    rows = max(1, min(rows, TIER.max_numel // c))
+    case = dict(
+        c=c,
+        n=rows,
+        weight=draw(st.booleans()),
+        ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),  # the share of rows whose target is ignore_index
+        ignore_index=draw(st.sampled_from([-100, 0])),
+        reduction=draw(st.sampled_from(REDUCTIONS)),
+        smoothing=draw(st.sampled_from([0.0, 0.1, 1.0])),
+        z_loss=draw(st.sampled_from([0.0, 1e-4, 1e-2])),
+        softcap=draw(st.sampled_from([None, 30.0, 3.0])),
+        scale=draw(st.sampled_from([1.0, 10.0])),
+        family=draw(st.sampled_from(kc.FAMILIES)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+    if fused:
+        case["h"] = draw(st.sampled_from([1, 8, 31, 64]))
+        case["n"] = max(1, min(rows, TIER.max_numel // max(case["h"], c // 8)))
+        case["bias"] = draw(st.booleans())
+        case["chunk"] = draw(st.sampled_from([None, 1, 5]))
+    else:
+        case["layout"] = draw(st.sampled_from(kc.LAYOUTS))
+    return case
+
+
+def targets(case, device):
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    t = torch.randint(0, case["c"], (case["n"],), generator=g)
+    if case["ignore_index"] >= 0:  # an ignore_index that is also a class: rows of that class count for nothing
+        t = t.clamp(min=1) if case["c"] > 1 else t
+    t[torch.rand(case["n"], generator=g) < case["ignored"]] = case["ignore_index"]
+    return t.to(device)
+
+
+def class_weight(case, device):
+    if not case["weight"]:
+        return None
+    return torch.rand(case["c"], generator=torch.Generator().manual_seed(case["seed"] + 2), dtype=torch.float32).to(
+        device
+    )
+
+
+def options(case):
+    return dict(
+        ignore_index=case["ignore_index"],
+        reduction=case["reduction"],
+        label_smoothing=case["smoothing"],
+        z_loss=case["z_loss"],
+        softcap=case["softcap"],
+    )
+
+
+def upstream(loss, seed):
+    """A random gradient for the loss (a scalar's too), in its dtype."""
+    g = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return g.to(loss.device, loss.dtype)
+
+
+def loss_and_grads(fn, leaves, others, g=None, seed=0):
+    leaves = [None if t is None else t.detach().requires_grad_() for t in leaves]
+    loss = fn(*leaves, *others)
+    loss.backward(upstream(loss, seed) if g is None else g)
+    return loss.detach(), *[None if t is None else t.grad for t in leaves]
+
+
+def no_row_counts(case, t):
+    return case["reduction"] == "mean" and not bool((t != case["ignore_index"]).any())
+
+
+def check_all(names, ours, ref, low, dtype):
+    for name, a, r, lo in zip(names, ours, ref, low):
+        if a is not None:
+            kc.check_close(name, a, r, lo, dtype)
+
+
+@pytest.mark.conformance(kernel="cross_entropy", prop="gradients")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(case=ce_cases())
+def test_values_and_gradients(dtype, case):
+    kc.skip_if_not_covered(dtype)
+    x = kc.make_input((case["n"], case["c"]), dtype, DEVICE, case["layout"], scale=case["scale"], seed=case["seed"])
+    t, w = targets(case, DEVICE), class_weight(case, DEVICE)
+    opts = options(case)
+    with kp_core.record_launches() as rec:
+        ours = loss_and_grads(lambda x: kp_losses.cross_entropy(x, t, w, **opts), [x], [], seed=case["seed"])
+    kc.assert_kernel_ran(rec, *CE_OPS)
+    g = upstream(ours[0], case["seed"])
+    w64 = None if w is None else w.double()
+    ref = loss_and_grads(lambda x: reference(x, t, w64, **_positional(opts)), [x.double()], [], g.double())
+    low = loss_and_grads(lambda x: reference(x, t, w, **_positional(opts)), [x], [], g)
+    if no_row_counts(case, t):  # torch's NaN and zero gradients
+        assert ours[0].isnan() and low[0].isnan() and not ours[1].any()
+        return
+    check_all(("loss", "dinput"), ours, ref, low, dtype)
+
+
+def _positional(opts):
+    return dict(
+        ignore_index=opts["ignore_index"],
+        reduction=opts["reduction"],
+        smoothing=opts["label_smoothing"],
+        z_loss=opts["z_loss"],
+        softcap=opts["softcap"],
+    )
+
+
+def linear_problem(case, dtype):
+    c, h, n = case["c"], case["h"], case["n"]
+    x = kc.make_input((n, h), dtype, DEVICE, "contiguous", scale=1.0, seed=case["seed"], family=case["family"])
+    wscale = case["scale"] / math.sqrt(h)
+    weight = kc.make_input((c, h), dtype, DEVICE, "contiguous", scale=wscale, seed=case["seed"] + 3)
+    bias = kc.make_input((c,), dtype, DEVICE, "contiguous", seed=case["seed"] + 4) if case["bias"] else None
+    return x, weight, bias
+
+
+@pytest.mark.conformance(kernel="linear_cross_entropy", prop="gradients")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+@given(case=ce_cases(fused=True))
+def test_linear_values_and_gradients(dtype, case):
+    kc.skip_if_not_covered(dtype)
+    x, weight, bias = linear_problem(case, dtype)
+    t, w = targets(case, DEVICE), class_weight(case, DEVICE)
+    opts = options(case)
+
+    def ours_fn(x, weight, bias):
+        return kp_losses.fused_linear_cross_entropy(x, weight, t, bias, w, chunk_size=case["chunk"], **opts)
+
+    def theirs(w_class):
+        return lambda x, weight, bias: reference(F.linear(x, weight, bias), t, w_class, **_positional(opts))
+
+    with kp_core.record_launches() as rec:
+        ours = loss_and_grads(ours_fn, [x, weight, bias], [], seed=case["seed"])
+    assert rec.backends(lce_mod.OP) == {kc.kernel_backend()}, rec.launches
+    if case["reduction"] == "none":
+        kc.assert_kernel_ran(rec, lce_mod.OP_BWD)
+    g = upstream(ours[0], case["seed"])
+    w64 = None if w is None else w.double()
+    ref = loss_and_grads(theirs(w64), [v if v is None else v.double() for v in (x, weight, bias)], [], g.double())
+    low = loss_and_grads(theirs(w), [x, weight, bias], [], g)
+    if no_row_counts(case, t):
+        assert ours[0].isnan() and low[0].isnan() and not ours[1].any()
+        return
+    check_all(("loss", "dinput", "dweight", "dbias"), ours, ref, low, dtype)
+
+
+# Each compile-time switch of both kernels on and off, forward and backward, in every tier whatever it draws.
+SWITCHES = [dict(weight=w, smoothing=s, softcap=cap) for w in (False, True) for s in (0.0, 0.2) for cap in (None, 5.0)]
+
+
+@pytest.mark.conformance(kernel="cross_entropy", prop="switches")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=kc.dtype_id)
+@pytest.mark.parametrize("switch", SWITCHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_every_switch(dtype, switch):
+    kc.skip_if_not_covered(dtype)
+    case = dict(c=600, n=9, ignored=0.3, ignore_index=-100, reduction="none", z_loss=1e-3, scale=3.0, seed=5, **switch)
+    x = kc.make_input((case["n"], case["c"]), dtype, DEVICE, "contiguous", scale=3.0, seed=5)
+    t, w = targets(case, DEVICE), class_weight(case, DEVICE)
+    opts = options(case)
+    with kp_core.record_launches() as rec:
+        ours = loss_and_grads(lambda x: kp_losses.cross_entropy(x, t, w, **opts), [x], [], seed=1)
+    kc.assert_kernel_ran(rec, *CE_OPS)
+    g = upstream(ours[0], 1)
+    w64 = None if w is None else w.double()
+    ref = loss_and_grads(lambda x: reference(x, t, w64, **_positional(opts)), [x.double()], [], g.double())
+    low = loss_and_grads(lambda x: reference(x, t, w, **_positional(opts)), [x], [], g)
+    check_all(("loss", "dinput"), ours, ref, low, dtype)
+
+
+@pytest.mark.conformance(kernel="cross_entropy", prop="no_mutation")
+@pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
+def test_no_mutation(dtype):
+    kc.skip_if_not_covered(dtype)
+    x = kc.make_input((7, 300), dtype, DEVICE, "row_strided", seed=1)
+    t = torch.tensor([0, 5, -100, 299, 7, 8, 9], device=DEVICE)
+    w = torch.rand(300, device=DEVICE)
+    hidden, head = (kc.make_input(s, dtype, DEVICE, "contiguous", seed=2) for s in ((7, 16), (300, 16)))
+    before = [v.clone() for v in (x, t, w, hidden, head)]
+    with kp_core.record_launches() as rec:
+        loss_and_grads(lambda x: kp_losses.cross_entropy(x, t, w, label_smoothing=0.1), [x], [])
+        call = lambda h, m: kp_losses.fused_linear_cross_entropy(h, m, t, ce_weight=w, chunk_size=3)  # noqa: E731
+        loss_and_grads(call, [hidden, head], [])
+    kc.assert_kernel_ran(rec, *CE_OPS)
+    assert rec.backends(lce_mod.OP) == {kc.kernel_backend()}
+    for v, b in zip((x, t, w, hidden, head), before):
+        assert torch.equal(v, b), "an input was modified"
+
+
+@pytest.mark.conformance(kernel="cross_entropy", prop="determinism")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=kc.dtype_id)
+def test_determinism(dtype):
+    """Bitwise-equal losses and gradients on repeated calls (no atomics anywhere)."""
+    kc.skip_if_not_covered(dtype)
+    rows, c = (512, 32000) if DEVICE.type == "cuda" else (5, 1000)
+    x = kc.make_input((rows, c), dtype, DEVICE, "contiguous", scale=3.0, seed=3)
+    t = torch.randint(0, c, (rows,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    runs = [loss_and_grads(lambda x: kp_losses.cross_entropy(x, t, label_smoothing=0.1), [x], []) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "repeated calls differ"
+
+
+@pytest.mark.conformance(kernel="cross_entropy", prop="zero_size")
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_zero_size(reduction):
+    """No rows: torch's results (mean NaN, sum 0, none empty), no launch."""
+    x = torch.randn(0, 7, device=DEVICE, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    with kp_core.record_launches() as rec:
+        ours = kp_losses.cross_entropy(x, t, reduction=reduction)
+        fused = kp_losses.fused_linear_cross_entropy(torch.randn(0, 4, device=DEVICE), torch.randn(7, 4), t)
+    assert rec.backends() <= {kp_core.REFERENCE}, rec.launches
+    theirs = F.cross_entropy(x, t, reduction=reduction)
+    assert ours.shape == theirs.shape and torch.equal(ours.isnan(), theirs.isnan())
+    assert fused.isnan()
+    if reduction != "none":
+        ours.backward()
+        assert x.grad.shape == x.shape
+
+
+def _logits(d):
+    return dict(input=torch.randn(4, 9, device=d), target=torch.tensor([1, 8, 0, -100], device=d))
+
+
+def _linear(d):
+    return dict(
+        input=torch.randn(4, 6, device=d),
+        weight=torch.randn(9, 6, device=d),
+        target=torch.tensor([1, 8, 0, -100], device=d),
+    )
+
+
+def _bad_targets(t):
+    return torch.full_like(t, 9)
+
+
+CE_TARGETS = [
+    fuzz.Target(
+        "kp_losses.cross_entropy",
+        "kp-losses",
+        kp_losses.cross_entropy,
+        lambda d: dict(_logits(d), weight=torch.rand(9, device=d), label_smoothing=0.1),
+        dict(
+            input=fuzz.Tensor(DTYPES, ranked=False, first=True),
+            target=fuzz.Tensor(
+                (torch.int64, torch.int32, torch.int16, torch.uint8), sized=(0,), index=_bad_targets, values=False
+            ),
+            # class weights are finite by definition; torch's NaN or inf from one depends on its summation order
+            weight=fuzz.Tensor(DTYPES, sized=(0,), values=False),
+            ignore_index=fuzz.Scalar(bad=(1.5, None)),
+            reduction=fuzz.Scalar(bad=("avg", None)),
+            label_smoothing=fuzz.Scalar(bad=(-0.1, 2.0, None)),
+            z_loss=fuzz.Scalar(bad=(-1.0, float("nan"))),
+            softcap=fuzz.Scalar(bad=(0.0, -3.0, float("inf"))),
+        ),
+        torch_fn=lambda input, target, weight, label_smoothing: F.cross_entropy(
+            input, target, weight.to(input.dtype), label_smoothing=label_smoothing
+        ),
+        zero=lambda d: dict(
+            input=torch.randn(0, 9, device=d),
+            target=torch.zeros(0, dtype=torch.int64, device=d),
+            weight=torch.rand(9, device=d),
+            label_smoothing=0.1,
+        ),
+    ),
+    fuzz.Target(
+        "kp_losses.fused_linear_cross_entropy",
+        "kp-losses",
+        kp_losses.fused_linear_cross_entropy,
+        lambda d: dict(_linear(d), bias=torch.randn(9, device=d), chunk_size=2),
+        dict(
+            input=fuzz.Tensor(DTYPES, ranked=False, first=True, words=("weight",)),
+            weight=fuzz.Tensor(DTYPES, sized=(0, 1), words=("input",)),
+            target=fuzz.Tensor(
+                (torch.int64, torch.int32, torch.int16, torch.uint8), sized=(0,), index=_bad_targets, values=False
+            ),
+            bias=fuzz.Tensor(DTYPES, sized=(0,), words=("input",)),
+            chunk_size=fuzz.Scalar(bad=(0, -1, 2.5)),
+        ),
+        torch_fn=lambda input, weight, target, bias, chunk_size: F.cross_entropy(F.linear(input, weight, bias), target),
+        zero=lambda d: dict(
+            input=torch.randn(0, 6, device=d),
+            weight=torch.randn(9, 6, device=d),
+            target=torch.zeros(0, dtype=torch.int64, device=d),
+            bias=torch.randn(9, device=d),
+            chunk_size=2,
+        ),
+        aliases=(("input", "weight"),),
+    ),
+]
+
+test_bad_input_fuzz = kc.fuzz_test("cross_entropy", CE_TARGETS)
+
+
+@pytest.mark.conformance(kernel="cross_entropy", prop="values")
+def test_opcheck():
+    x = kc.make_input((5, 70), torch.float32, DEVICE, "row_strided", seed=1).requires_grad_()
+    t = torch.tensor([0, 69, -100, 3, 4], device=DEVICE)
+    with kp_core.record_launches() as rec:
+        torch.library.opcheck(ce_mod.CROSS_ENTROPY.op, (x, t, None, -100, 0.1, 1e-3, 5.0))
+    kc.assert_kernel_ran(rec, *CE_OPS)
+
+
+@pytest.mark.conformance(kernel="cross_entropy", prop="values")
+def test_compile_fullgraph_equals_eager():
+    torch._dynamo.reset()
+    x = kc.make_input((6, 300), torch.float32, DEVICE, "contiguous", seed=2)
+    hidden, head = (kc.make_input(s, torch.float32, DEVICE, "contiguous", seed=3) for s in ((6, 8), (300, 8)))
+    t = torch.tensor([0, 299, -100, 3, 4, 5], device=DEVICE)
+
+    def f(x, hidden, head):
+        a = kp_losses.cross_entropy(x * 2, t, label_smoothing=0.1, softcap=20.0)
+        return a + kp_losses.fused_linear_cross_entropy(hidden, head, t, z_loss=1e-3, chunk_size=4)
+
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        with kp_core.record_launches() as rec:
+            results.append(loss_and_grads(fn, [x, hidden, head], [], torch.tensor(1.0, device=DEVICE)))
+        kc.assert_kernel_ran(rec, *CE_OPS)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_reference_is_independent():
+    """The references must not route through kp (sanity check on the spec itself)."""
+    x = torch.randn(3, 5, dtype=torch.float64)
+    t = torch.tensor([0, 4, -100])
+    with kp_core.record_launches() as rec:
+        value = reference(x, t, None, -100, "mean", 0.0, 0.0, None)
+    assert rec.count() == 0
+    torch.testing.assert_close(value, F.cross_entropy(x, t))
