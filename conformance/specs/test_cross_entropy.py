@@ -275,7 +275,9 @@ def test_zero_size(reduction):
     t = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     with kp_core.record_launches() as rec:
         ours = kp_losses.cross_entropy(x, t, reduction=reduction)
-        fused = kp_losses.fused_linear_cross_entropy(torch.randn(0, 4, device=DEVICE), torch.randn(7, 4), t)
+        fused = kp_losses.fused_linear_cross_entropy(
+            torch.randn(0, 4, device=DEVICE), torch.randn(7, 4, device=DEVICE), t
+        )
     assert rec.backends() <= {kp_core.REFERENCE}, rec.launches
     theirs = F.cross_entropy(x, t, reduction=reduction)
     assert ours.shape == theirs.shape and torch.equal(ours.isnan(), theirs.isnan())

@@ -56,8 +56,8 @@ def _check_target(op: str, target, shape: tuple, c: int, ignore_index: int, devi
     kp_core.check_tensor(op, "target", target, dtypes=TARGET_DTYPES, device=device)
     if tuple(target.shape) != shape:
         raise ValueError(f"{op}: target must have shape {shape}, got {tuple(target.shape)}")
-    capturing = target.is_cuda and torch.cuda.is_current_stream_capturing()
-    if VALIDATE_TARGETS and target.numel() and not torch.compiler.is_compiling() and not capturing:
+    checking = VALIDATE_TARGETS and target.numel() and not torch.compiler.is_compiling()
+    if checking and not (target.is_cuda and torch.cuda.is_current_stream_capturing()):
         t = target.long()
         bad = (t != ignore_index) & ((t < 0) | (t >= c))
         if bool(bad.any()):
@@ -200,8 +200,12 @@ def fused_linear_cross_entropy(
     ce_weight = _check_class_weight(op, "ce_weight", ce_weight, v, input.device)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
+    # GEMM operands cuBLAS reads as they are (row- or column-major); anything else is copied, so that a strided
+    # view gives the contiguous call's result bit for bit
     x = input.reshape(-1, h)
     x = x if x.stride(1) == 1 or h == 1 else x.contiguous()
+    weight = weight if 1 in weight.stride() else weight.contiguous()
+    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
     needs = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in (x, weight, bias)]
     options = (ignore_index, float(label_smoothing), float(z_loss), cap, REDUCTIONS.index(reduction))
     loss = lce_ops.LINEAR_CROSS_ENTROPY(x, weight, flat, bias, ce_weight, *options, *needs, chunk_size or 0)[0]
