@@ -11,6 +11,7 @@ from torch import nn
 import kp_attention
 import kp_conformance as kc
 import kp_distributed
+import kp_losses
 import kp_norms
 import kp_precision
 import kp_sparsity
@@ -45,6 +46,33 @@ def _torch_linear(in_features, out_features, **kw):
 
 
 API_TARGETS = [
+    _target(
+        "kp_losses.CrossEntropyLoss(...)",
+        "kp-losses",
+        kp_losses.CrossEntropyLoss,
+        lambda d: dict(weight=torch.ones(5, device=d), reduction="sum", label_smoothing=0.1, z_loss=1e-4, softcap=30.0),
+        dict(
+            weight=fuzz.Scalar(bad=("w", torch.ones(5, dtype=torch.int64), torch.ones(2, 5))),
+            ignore_index=fuzz.Scalar(bad=(1.5, None)),
+            reduction=fuzz.Scalar(bad=("avg", None)),
+            label_smoothing=fuzz.Scalar(bad=(-0.1, 2.0, None)),
+            z_loss=fuzz.Scalar(bad=(-1.0, float("inf"))),
+            softcap=fuzz.Scalar(bad=(0.0, "30")),
+        ),
+    ),
+    _target(
+        "kp_losses.LinearCrossEntropyLoss(...)",
+        "kp-losses",
+        kp_losses.LinearCrossEntropyLoss,
+        lambda d: dict(head=nn.Linear(4, 5, device=d), reduction="none", chunk_size=2),
+        dict(
+            head=fuzz.Scalar(bad=(None, nn.Identity(), nn.Linear)),
+            ce_weight=fuzz.Scalar(bad=("w", torch.ones(5, dtype=torch.int64))),
+            reduction=fuzz.Scalar(bad=("avg",)),
+            label_smoothing=fuzz.Scalar(bad=(1.5,)),
+            chunk_size=fuzz.Scalar(bad=(0, -1, 2.5, True)),
+        ),
+    ),
     _target(
         "kp_norms.patch",
         "kp-norms",

@@ -118,6 +118,8 @@ def test_leading_dims_and_the_module():
     torch.testing.assert_close(loss.reshape(-1), theirs(x, w, t, b, reduction="none"))
     with pytest.raises(TypeError, match="head must be a torch.nn.Linear"):
         kp_losses.LinearCrossEntropyLoss(torch.nn.Identity())
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        kp_losses.LinearCrossEntropyLoss(head, chunk_size=0)
 
 
 def test_inputs_are_not_mutated():

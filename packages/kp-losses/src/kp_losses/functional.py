@@ -45,6 +45,11 @@ def _check_options(op: str, reduction, label_smoothing, z_loss, softcap, ignore_
     return float(softcap)
 
 
+def _check_chunk_size(op: str, chunk_size) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
 def _check_target(op: str, target, shape: tuple, c: int, ignore_index: int, device) -> torch.Tensor:
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{op}: target must be a torch.Tensor, got {type(target).__name__}")
@@ -198,8 +203,7 @@ def fused_linear_cross_entropy(
     shape = tuple(input.shape[:-1])
     flat = _check_target(op, target, shape, v, ignore_index, input.device)
     ce_weight = _check_class_weight(op, "ce_weight", ce_weight, v, input.device)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"{op}: chunk_size must be a positive int or None, got {chunk_size!r}")
+    _check_chunk_size(op, chunk_size)
     # GEMM operands cuBLAS reads as they are (row- or column-major); anything else is copied, so that a strided
     # view gives the contiguous call's result bit for bit
     x = input.reshape(-1, h)

@@ -6,12 +6,23 @@ from typing import Optional
 
 import torch
 
+import kp_core
 from kp_losses import functional as F
 
 
 class CrossEntropyLoss(torch.nn.Module):
     """torch.nn.CrossEntropyLoss (class-index targets) with kp's kernels, plus z_loss and softcap
-    (kp_losses.cross_entropy)."""
+    (kp_losses.cross_entropy).
+
+    Examples:
+        >>> import torch
+        >>> import kp_losses
+        >>> loss_fn = kp_losses.CrossEntropyLoss(label_smoothing=0.1)
+        >>> logits, target = torch.randn(4, 10), torch.tensor([1, 0, -100, 9])
+        >>> want = torch.nn.CrossEntropyLoss(label_smoothing=0.1)(logits, target)
+        >>> torch.allclose(loss_fn(logits, target), want, atol=1e-5)
+        True
+    """
 
     def __init__(
         self,
@@ -24,6 +35,9 @@ class CrossEntropyLoss(torch.nn.Module):
         softcap: Optional[float] = None,
     ):
         super().__init__()
+        F._check_options("kp_losses.CrossEntropyLoss", reduction, label_smoothing, z_loss, softcap, ignore_index)
+        if weight is not None:
+            kp_core.check_tensor("kp_losses.CrossEntropyLoss", "weight", weight, dtypes=kp_core.FLOAT_DTYPES, ndim=1)
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.z_loss, self.softcap = z_loss, softcap
@@ -49,7 +63,17 @@ class CrossEntropyLoss(torch.nn.Module):
 
 class LinearCrossEntropyLoss(torch.nn.Module):
     """The loss of a linear head over hidden states, without the full logits (kp_losses.fused_linear_cross_entropy):
-    `loss = LinearCrossEntropyLoss(model.lm_head)(hidden, target)` shares the head's weight and bias."""
+    `loss = LinearCrossEntropyLoss(model.lm_head)(hidden, target)` shares the head's weight and bias.
+
+    Examples:
+        >>> import torch
+        >>> import kp_losses
+        >>> head = torch.nn.Linear(8, 20)
+        >>> hidden, target = torch.randn(6, 8), torch.tensor([1, 2, 3, -100, 5, 19])
+        >>> loss = kp_losses.LinearCrossEntropyLoss(head)(hidden, target)
+        >>> torch.allclose(loss, torch.nn.functional.cross_entropy(head(hidden), target), atol=1e-5)
+        True
+    """
 
     def __init__(
         self,
@@ -64,8 +88,13 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         chunk_size: Optional[int] = None,
     ):
         super().__init__()
+        op = "kp_losses.LinearCrossEntropyLoss"
         if not isinstance(head, torch.nn.Linear):
-            raise TypeError(f"LinearCrossEntropyLoss: head must be a torch.nn.Linear, got {type(head).__name__}")
+            raise TypeError(f"{op}: head must be a torch.nn.Linear, got {type(head).__name__}")
+        F._check_options(op, reduction, label_smoothing, z_loss, softcap, ignore_index)
+        F._check_chunk_size(op, chunk_size)
+        if ce_weight is not None:
+            kp_core.check_tensor(op, "ce_weight", ce_weight, dtypes=kp_core.FLOAT_DTYPES, ndim=1)
         self.head = head
         self.register_buffer("ce_weight", ce_weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
