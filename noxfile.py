@@ -37,7 +37,7 @@ OPINFO_DEPS = ("expecttest",)  # torch's op_db (the opinfo spec's samples) impor
 # The release session builds in isolation, as a user's pip and the published artifacts do.
 BUILD_DEPS = ("hatchling>=1.27",)
 HF_DEPS = ("transformers>=4.45",)  # kp-norms' "hf" extra (kp_norms.patch on Hugging Face models)
-HF_TESTED = ("kp-norms", "kp-attention", "kp-distributed", "kp")  # tests with tiny transformers models
+HF_TESTED = ("kp-norms", "kp-attention", "kp-losses", "kp-distributed", "kp")  # tests with tiny transformers models
 # kp-distributed's tests also shard a model built from the kernel packages (its code imports none of them)
 TESTED_WITH = {"kp-distributed": ("kp-norms", "kp-attention", "kp-precision")}
 # The umbrella package `kp` depends on every other package.

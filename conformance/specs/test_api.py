@@ -47,6 +47,14 @@ def _torch_linear(in_features, out_features, **kw):
 
 API_TARGETS = [
     _target(
+        "kp_losses.patch",
+        "kp-losses",
+        kp_losses.patch,
+        lambda d: dict(model=_model(), skip_logits=True),
+        dict(model=MODEL, skip_logits=fuzz.Scalar(bad=(1, "yes"))),
+    ),
+    _target("kp_losses.unpatch", "kp-losses", kp_losses.unpatch, lambda d: dict(model=_model()), dict(model=MODEL)),
+    _target(
         "kp_losses.CrossEntropyLoss(...)",
         "kp-losses",
         kp_losses.CrossEntropyLoss,

@@ -2,7 +2,15 @@
 
 from kp_losses.functional import cross_entropy, fused_linear_cross_entropy
 from kp_losses.modules import CrossEntropyLoss, LinearCrossEntropyLoss
+from kp_losses.patch import patch, unpatch
 
 __version__ = "0.1.0"
 
-__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "cross_entropy", "fused_linear_cross_entropy"]
+__all__ = [
+    "CrossEntropyLoss",
+    "LinearCrossEntropyLoss",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+    "patch",
+    "unpatch",
+]

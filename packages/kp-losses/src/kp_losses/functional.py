@@ -159,6 +159,7 @@ def fused_linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: Optional[float] = None,
     chunk_size: Optional[int] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """cross_entropy(input @ weight.T + bias, target, ...) without the full logits: they are made and consumed in
     chunks of rows (tokens), each chunk's gradient written over its logits and turned into the hidden states' and
@@ -172,9 +173,11 @@ def fused_linear_cross_entropy(
         ce_weight: per-class weights of the loss (V,) or None (cross_entropy's `weight`).
         ignore_index, reduction, label_smoothing, z_loss, softcap: as cross_entropy's.
         chunk_size: rows per chunk (None: chosen from the vocabulary, the hidden size and the free memory).
+        out_dtype: the loss's dtype (None: input's). The loss is computed in fp32 for fp16/bf16 inputs (fp64 for
+            fp32 / fp64) and rounded once to it: torch.float32 gives what transformers computes on `logits.float()`.
 
     Returns:
-        The loss in input's dtype: a scalar, or target's shape with reduction="none".
+        The loss in out_dtype: a scalar, or target's shape with reduction="none".
 
     Examples:
         >>> import torch
@@ -212,5 +215,8 @@ def fused_linear_cross_entropy(
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
     needs = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in (x, weight, bias)]
     options = (ignore_index, float(label_smoothing), float(z_loss), cap, REDUCTIONS.index(reduction))
+    if out_dtype is not None and out_dtype not in kp_core.FLOAT_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be a floating dtype or None, got {out_dtype}")
     loss = lce_ops.LINEAR_CROSS_ENTROPY(x, weight, flat, bias, ce_weight, *options, *needs, chunk_size or 0)[0]
-    return loss.reshape(shape).to(input.dtype) if reduction == "none" else loss.to(input.dtype)
+    loss = loss.reshape(shape) if reduction == "none" else loss
+    return loss.to(out_dtype or input.dtype)
