@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import nox
@@ -117,7 +118,18 @@ def _cpu_env() -> dict[str, str]:
         has_gpu = torch.cuda.is_available()
     except ImportError:
         has_gpu = False
-    return {} if has_gpu or os.environ.get("TRITON_INTERPRET") else {"TRITON_INTERPRET": "1"}
+    env = {"TORCHINDUCTOR_CACHE_DIR": _inductor_cache()}
+    return env if has_gpu or os.environ.get("TRITON_INTERPRET") else {**env, "TRITON_INTERPRET": "1"}
+
+
+def _inductor_cache() -> str:
+    """Inductor's on-disk cache keys a compiled graph by the graph, not by the fake kernels of the custom ops in it:
+    one cached by an older checkout (an op's outputs of another rank or strides) fails a newer checkout's compile
+    tests on the same machine. So one cache per state of the packages' sources."""
+    digest = hashlib.sha256()
+    for path in sorted(ROOT.glob("packages/*/src/**/*.py")):
+        digest.update(path.read_bytes())
+    return str(Path(tempfile.gettempdir()) / f"kp-inductor-{digest.hexdigest()[:16]}")
 
 
 @nox.session(python="3.11", tags=["ci"])

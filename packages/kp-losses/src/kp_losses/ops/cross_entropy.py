@@ -6,7 +6,8 @@ tanh(x / softcap) with a softcap (Gemma 2) else x, lse = logsumexp_j z_j:
     loss_i = w_t ((1 - eps) (lse - z_t) + z_loss lse^2) + eps / C sum_j w_j (lse - z_j)
     dloss_i / dz_j = w_t ((1 - eps) + 2 z_loss lse) p_j - w_t (1 - eps) [j = t] + eps / C (W p_j - w_j)
 
-with p = exp(z - lse) and dz/dx = 1 - (z / softcap)^2.
+with p = exp(z - lse) and dz/dx = 1 - (z / softcap)^2. The kernels keep lse as the row max m and s = sum exp(z - m),
+and take differences from m (lse - z_t = (m - z_t) + log s, p = exp(z - m) / s): a row's offset costs no precision.
 
 eps is torch's label_smoothing (its weighted form: the smoothing term is weighted per class, the rest by the
 target's weight), z_loss PaLM's auxiliary loss (weighted by the target's weight, like the term it sits beside).
@@ -14,8 +15,8 @@ A row whose target is ignore_index has loss 0 and gradient 0; a target outside [
 for one unless told not to) gets NaN, never a read out of bounds. Reductions are torch's, over these rows
 (kp_losses.functional): "mean" divides by the counted rows' w_t.
 
-The op kp::cross_entropy returns (loss per row, lse per row) in fp32 for fp16/bf16 logits, fp64 for fp32/fp64; its
-backward reads the logits again with the saved lse. Kernels: kp_losses.ops.cross_entropy_kernels. Spec:
+The op kp::cross_entropy returns (loss per row, (m, s) per row) in fp32 for fp16/bf16 logits, fp64 for fp32/fp64;
+its backward reads the logits again with the saved (m, s). Kernels: kp_losses.ops.cross_entropy_kernels. Spec:
 conformance/specs/test_cross_entropy.py. fused_linear_cross_entropy (ops/linear_cross_entropy.py) runs the same
 launchers on chunks of logits it computes.
 """
@@ -48,9 +49,9 @@ INTERPRET_BLOCK_C = 256
 
 
 def row_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The per-row loss and lse dtype, the kernels' arithmetic's: fp32 for fp16/bf16 logits, fp64 for fp32 and fp64
-    ones. An fp32 row of 256K classes sums its exponentials and weighted logits in fp64 so its loss keeps fp32's
-    precision, and its lse stays fp64 for the backward: rounded to fp32, an lse of 30 moves p = exp(z - lse) by 2e-6
+    """The per-row loss and statistics dtype, the kernels' arithmetic's: fp32 for fp16/bf16 logits, fp64 for fp32
+    and fp64 ones. An fp32 row of 256K classes sums its exponentials and weighted logits in fp64 so its loss keeps
+    fp32's precision, and its statistics stay fp64 for the backward: an lse rounded to fp32 (30) moved p by 2e-6
     relative, and p - 1 at the target (1e-4 where p is near 1) by 2 % (measured 5e-7 against torch's 2e-8)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else torch.float64
 
@@ -111,72 +112,71 @@ def _reference_terms(x, target, weight, ignore_index, softcap):
 
 
 def _reference_forward(x, target, weight, ignore_index, smoothing, z_loss, softcap):
+    """(loss, stats): stats (rows, 2) the row max m and sum of exp(z - m), as the kernel saves them."""
     z, t, w, counted, bad = _reference_terms(x, target, weight, ignore_index, softcap)
-    lse = torch.logsumexp(z, dim=1)
+    m = z.max(dim=1).values
+    base = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)[:, None]
+    s = torch.exp(z - base).sum(1)
+    log_s = torch.log(s)
+    lse = m + log_s
     z_t, w_t = z.gather(1, t[:, None])[:, 0], w[t]
-    loss = w_t * ((1 - smoothing) * (lse - z_t) + z_loss * lse * lse)
+    loss = w_t * ((1 - smoothing) * ((m - z_t) + log_s) + z_loss * lse * lse)
     if smoothing:
-        loss = loss + smoothing / z.shape[1] * (w.sum() * lse - (z * w).sum(1))
+        loss = loss + smoothing / z.shape[1] * (w.sum() * log_s + (w * (base - z)).sum(1))
     loss = torch.where(counted, loss, torch.zeros_like(loss))
-    return torch.where(bad, torch.full_like(loss, float("nan")), loss), lse
+    return torch.where(bad, torch.full_like(loss, float("nan")), loss), torch.stack([m, s], 1)
 
 
-def _reference_backward(g, x, target, weight, lse, ignore_index, smoothing, z_loss, softcap):
+def _reference_backward(g, x, target, weight, stats, ignore_index, smoothing, z_loss, softcap):
     z, t, w, counted, bad = _reference_terms(x, target, weight, ignore_index, softcap)
-    lse = lse.to(z.dtype)[:, None]
+    m, s = (v.to(z.dtype)[:, None] for v in stats.unbind(1))
+    p = torch.exp(z - m) / s
+    lse = m + torch.log(s)
     w_t = w[t][:, None]
-    d = w_t * ((1 - smoothing) + 2 * z_loss * lse) * torch.exp(z - lse)
+    d = w_t * ((1 - smoothing) + 2 * z_loss * lse) * p
     d = d - torch.nn.functional.one_hot(t, z.shape[1]).to(z.dtype) * w_t * (1 - smoothing)
     if smoothing:
-        d = d + smoothing / z.shape[1] * (w.sum() * torch.exp(z - lse) - w)
+        d = d + smoothing / z.shape[1] * (w.sum() * p - w)
     if softcap:
         d = d * (1 - (z / softcap) ** 2)
     d = torch.where(counted[:, None], g.to(z.dtype)[:, None] * d, torch.zeros_like(d))
     return torch.where(bad[:, None], torch.full_like(d, float("nan")), d)
 
 
-# ---- launchers: x is (rows, C) with unit column stride; target (rows,); loss, lse (rows,) ----
+# ---- launchers: x is (rows, C) with unit column stride; target, loss (rows,); stats (rows, 2) ----
 
 
-def launch_forward(op, x, target, weight, loss, lse, ignore_index, smoothing, z_loss, softcap) -> None:
-    """loss and lse per row, written in place."""
+def launch_forward(op, x, target, weight, loss, stats, ignore_index, smoothing, z_loss, softcap) -> None:
+    """loss (rows,) and stats (rows, 2: the row max and sum of exponentials) written in place."""
     backend = kp_core.choose_backend(op, x)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
-        ref_loss, ref_lse = _reference_forward(x, target, weight, ignore_index, smoothing, z_loss, softcap)
+        ref_loss, ref_stats = _reference_forward(x, target, weight, ignore_index, smoothing, z_loss, softcap)
         loss.copy_(ref_loss)
-        lse.copy_(ref_lse)
+        stats.copy_(ref_stats)
         return
     rows, c = x.shape
     kp_core.check_index_fits(op, "the launch grid (rows)", rows)
     block_c, num_warps = _tiles("_ce_fwd", c, backend)
-    args = (
-        x,
-        x.stride(0),
-        target,
-        weight,
-        loss,
-        lse,
-        c,
-        *_scalars(x, weight, ignore_index, smoothing, z_loss, softcap),
-    )
+    scalars = _scalars(x, weight, ignore_index, smoothing, z_loss, softcap)[:-1]  # W: summed in the kernel
+    args = (x, x.stride(0), target, weight, loss, stats, c, *scalars)
     consts = _consts(x, weight, smoothing, softcap, block_c)
     kp_core.launch(op, backend, kernels._ce_fwd, (rows,), args, consts, num_warps)
 
 
-def launch_backward(op, grad, x, dx, target, weight, lse, ignore_index, smoothing, z_loss, softcap) -> None:
+def launch_backward(op, grad, x, dx, target, weight, stats, ignore_index, smoothing, z_loss, softcap) -> None:
     """dx (rows, C, unit column stride; may be x itself) = grad[i] * dloss_i/dx, written in place. grad: (rows,), any
     stride (an expanded scalar's is 0)."""
     backend = kp_core.choose_backend(op, x)
     if backend == kp_core.REFERENCE:
         kp_core.reference(op)
-        dx.copy_(_reference_backward(grad, x, target, weight, lse, ignore_index, smoothing, z_loss, softcap))
+        dx.copy_(_reference_backward(grad, x, target, weight, stats, ignore_index, smoothing, z_loss, softcap))
         return
     rows, c = x.shape
     kp_core.check_index_fits(op, "the launch grid (rows)", rows)
     block_c, num_warps = _tiles("_ce_bwd", c, backend)
     scalars = _scalars(x, weight, ignore_index, smoothing, z_loss, softcap)
-    args = (x, x.stride(0), dx, dx.stride(0), target, weight, lse, grad, grad.stride(0), c, *scalars)
+    args = (x, x.stride(0), dx, dx.stride(0), target, weight, stats, grad, grad.stride(0), c, *scalars)
     consts = _consts(x, weight, smoothing, softcap, block_c)
     kp_core.launch(op, backend, kernels._ce_bwd, (rows,), args, consts, num_warps)
 
@@ -190,13 +190,14 @@ def forward(
     z_loss: float,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) per row (row_dtype) of a (rows, C) input with unit column stride; softcap 0: none."""
-    loss, lse = (input.new_empty(input.shape[0], dtype=row_dtype(input.dtype)) for _ in range(2))
+    """(loss per row, its (max, sum of exponentials) (rows, 2)), row_dtype, of a (rows, C) input with unit column
+    stride; softcap 0: none."""
+    loss, stats = _fake(input)
     if input.numel():
-        launch_forward(OP, input, target, weight, loss, lse, ignore_index, label_smoothing, z_loss, softcap)
+        launch_forward(OP, input, target, weight, loss, stats, ignore_index, label_smoothing, z_loss, softcap)
     else:  # no classes (the public function refuses them) or no rows: nothing to launch
-        loss.zero_(), lse.fill_(float("-inf"))
-    return loss, lse
+        loss.zero_(), stats.zero_()
+    return loss, stats
 
 
 def backward(
@@ -204,7 +205,7 @@ def backward(
     input: torch.Tensor,
     target: torch.Tensor,
     weight: Optional[torch.Tensor],
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
@@ -213,18 +214,19 @@ def backward(
     """d(input), laid out as input."""
     dx = torch.empty_like(input)
     if dx.numel():
-        if grad_loss is None:  # lse alone was used: it carries no gradient
+        if grad_loss is None:  # the statistics alone were used: they carry no gradient
             return dx.zero_()
         args = (ignore_index, label_smoothing, z_loss, softcap)
-        launch_backward(OP_BWD, grad_loss, input, dx, target, weight, lse, *args)
+        launch_backward(OP_BWD, grad_loss, input, dx, target, weight, stats, *args)
     return dx
 
 
 # ---- declaration ----
 
 
-def _fake(input, target, weight, *rest):
-    return tuple(input.new_empty(input.shape[0], dtype=row_dtype(input.dtype)) for _ in range(2))
+def _fake(input, *rest):
+    dtype = row_dtype(input.dtype)
+    return input.new_empty(input.shape[0], dtype=dtype), input.new_empty((input.shape[0], 2), dtype=dtype)
 
 
 CROSS_ENTROPY = kp_core.op(
@@ -233,9 +235,9 @@ CROSS_ENTROPY = kp_core.op(
     _fake,
     backward=backward,
     backward_fake=lambda grad_loss, input, *rest: torch.empty_like(input),
-    save=lambda args, outputs: (*args[:3], outputs[1]),  # input, target, weight, lse
+    save=lambda args, outputs: (*args[:3], outputs[1]),  # input, target, weight, the row statistics
     grad_inputs=("input",),
-    differentiable_outputs=1,  # the loss; lse is a by-product
+    differentiable_outputs=1,  # the loss; the statistics are a by-product
     package=PACKAGE,
     spec=SPEC,
     dtypes=DTYPES,

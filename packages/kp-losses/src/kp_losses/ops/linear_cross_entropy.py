@@ -4,8 +4,8 @@
     loss   = cross_entropy(logits, target, ...)  (kp_losses.ops.cross_entropy's maths and kernels)
 
 Per chunk of rows: one GEMM makes its logits (input's dtype, cuBLAS through torch), _ce_fwd gives the rows' loss
-and lse, _ce_bwd writes the rows' gradient over the logits (the chunk buffer is this op's own), and two GEMMs turn
-it into d(input) for those rows and d(weight) (+ d(bias)) for all of them:
+and statistics, _ce_bwd writes the rows' gradient over the logits (the chunk buffer is this op's own), and two GEMMs
+turn it into d(input) for those rows and d(weight) (+ d(bias)) for all of them:
 
     dinput[rows] = dlogits @ weight      dweight += dlogits.T @ input[rows]      dbias += dlogits.sum(0)
 
@@ -85,7 +85,7 @@ def _run(op, x, weight, target, bias, ce_weight, options, scale, needs, requeste
     n, h = x.shape
     v = weight.shape[0]
     rows = torch.empty(n, dtype=ce.row_dtype(x.dtype), device=x.device)
-    lse = torch.empty_like(rows)
+    stats = torch.empty((n, 2), dtype=rows.dtype, device=x.device)
     need_x, need_w, need_b = needs if scale is not None else (False, False, False)
     acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
     dx = x.new_empty(x.shape) if need_x else None
@@ -96,10 +96,10 @@ def _run(op, x, weight, target, bias, ce_weight, options, scale, needs, requeste
         end = min(start + step, n)
         xc, tc = x[start:end], target[start:end]
         logits = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
-        ce.launch_forward(op, logits, tc, ce_weight, rows[start:end], lse[start:end], *options)
+        ce.launch_forward(op, logits, tc, ce_weight, rows[start:end], stats[start:end], *options)
         if scale is None or not any(needs):
             continue
-        ce.launch_backward(op, scale[start:end], logits, logits, tc, ce_weight, lse[start:end], *options)
+        ce.launch_backward(op, scale[start:end], logits, logits, tc, ce_weight, stats[start:end], *options)
         if need_x:
             torch.mm(logits, weight, out=dx[start:end])
         if need_w:
