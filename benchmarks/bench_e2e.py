@@ -14,10 +14,13 @@ Every variant starts from the same bf16 weights and sees the same batches:
   CUDA graphs; compiled per layer, without that graph; compiled with its choices timed by kp.graph_timer, the
   GPU's time alone, as under compile the host's launch cost overlaps the GPU's work; and eager without its
   fusions across packages, to show what they add).
-- Per variant: ms per train step (forward, cross-entropy on the logits, backward, AdamW), tokens/s, peak memory
-  above the weights and optimiser state, host CPU time per step (the Python thread's CPU time), and for the demo's
-  model the mean loss of the last 20 of --steps steps on fixed synthetic data, against eager's. Every variant
-  computes the loss from the logits the same way (no fused linear cross-entropy in any of them).
+- With a fused linear + cross-entropy (the loss from the decoder's last hidden states and lm_head's weight, the
+  logits never made whole): Liger-Kernel's patch + compile with its fused linear cross-entropy, compile + torchao
+  float8 tensorwise with Cut Cross-Entropy (+ FlashAttention-4), and kp.optimize + compile with kp-losses'.
+- Per variant: ms per train step (forward, cross-entropy, backward, AdamW), tokens/s, peak memory above the weights
+  and optimiser state, host CPU time per step (the Python thread's CPU time), and for the demo's model the mean
+  loss of the last 20 of --steps steps on fixed synthetic data, against eager's. The variants without a fused loss
+  compute it from the logits the same way (F.cross_entropy on their fp32 copy, as transformers does).
 kp.optimize's own time and its report (what it chose per layer and why) go into the markdown.
 Results are written after every variant, so a run cut short keeps what it measured. With --only, the rows of the
 other variants from the last run on this device are kept (each row carries its time of measurement), so a long
@@ -98,6 +101,41 @@ def _liger(compiled: bool):
     return build
 
 
+def _liger_loss(hidden, weight, target):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(hidden, weight, target)
+
+
+def _cce_loss(hidden, weight, target):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(hidden, weight, target)
+
+
+def _kp_loss(hidden, weight, target):
+    import kp_losses
+
+    return kp_losses.fused_linear_cross_entropy(hidden, weight, target, out_dtype=torch.float32)
+
+
+def _fused(build, loss):
+    """build, then the train step's loss by `loss(hidden (tokens, H), lm_head.weight, target (tokens,))` from the
+    decoder's last hidden states (a Hugging Face causal LM's `model.model`), the logits never made whole."""
+
+    def wrapped(model: nn.Module) -> nn.Module:
+        model = build(model)
+
+        def fused_loss(x, target):
+            hidden = model.model(x).last_hidden_state
+            return loss(hidden.flatten(0, 1), model.lm_head.weight, target.flatten())
+
+        model.fused_loss = fused_loss
+        return model
+
+    return wrapped
+
+
 def variants(gpu: bool) -> dict:
     """name -> build(model copy) -> the model to train; kp.optimize's report is kept on the model."""
     out = {"eager": lambda m: m, "kp.optimize": lambda m: m}
@@ -110,8 +148,14 @@ def variants(gpu: bool) -> dict:
         out["compile + torchao float8 rowwise"] = _torchao("rowwise")
         out["compile + FlashAttention-4"] = _fa4(demo.compile_layers)
         out["compile + torchao float8 tensorwise + FlashAttention-4"] = _fa4(_torchao("tensorwise"))
+        out["kp.optimize + compile + kp-losses"] = _fused(demo.compile_layers, _kp_loss)
+        out["compile + torchao float8 tensorwise + Cut Cross-Entropy"] = _fused(_torchao("tensorwise"), _cce_loss)
+        out["compile + torchao float8 tensorwise + FlashAttention-4 + Cut Cross-Entropy"] = _fused(
+            _fa4(_torchao("tensorwise")), _cce_loss
+        )
         out["Liger"] = _liger(False)
         out["Liger + compile"] = _liger(True)
+        out["Liger + compile + its fused linear cross-entropy"] = _fused(_liger(True), _liger_loss)
     return out
 
 
