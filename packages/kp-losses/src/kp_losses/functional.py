@@ -171,7 +171,11 @@ def fused_linear_cross_entropy(
         target: class indices (...), as input's leading dims.
         bias: the head's bias (V,) or None.
         ce_weight: per-class weights of the loss (V,) or None (cross_entropy's `weight`).
-        ignore_index, reduction, label_smoothing, z_loss, softcap: as cross_entropy's.
+        ignore_index: as cross_entropy's.
+        reduction: as cross_entropy's.
+        label_smoothing: as cross_entropy's.
+        z_loss: as cross_entropy's.
+        softcap: as cross_entropy's.
         chunk_size: rows per chunk (None: chosen from the vocabulary, the hidden size and the free memory).
         out_dtype: the loss's dtype (None: input's). The loss is computed in fp32 for fp16/bf16 inputs (fp64 for
             fp32 / fp64) and rounded once to it: torch.float32 gives what transformers computes on `logits.float()`.
