@@ -251,6 +251,27 @@ def test_every_switch(dtype, switch):
     check_cross_entropy(x, targets(case, DEVICE), class_weight(case, DEVICE), options(case), dtype, 1)
 
 
+@pytest.mark.conformance(kernel="cross_entropy", prop="values")
+def test_out_of_range_targets_without_the_check_are_nan_rows(monkeypatch):
+    """With the host check off (VALIDATE_TARGETS = False, as under capture), targets C, C + 100 and -1 give NaN
+    rows (loss and gradient) and the kernels read nothing outside the logits (the guard checks every load); the
+    other rows are untouched: the fused loss too."""
+    monkeypatch.setattr(kp_losses.functional, "VALIDATE_TARGETS", False)
+    c = 300
+    x = kc.make_input((6, c), torch.float32, DEVICE, "contiguous", seed=4)
+    t = torch.tensor([c, c + 100, -1, 0, c - 1, -100], device=DEVICE)
+    good = torch.tensor([False, False, False, True, True, True], device=DEVICE)
+    with kp_core.record_launches() as rec:
+        loss, grad = loss_and_grads(lambda x: kp_losses.cross_entropy(x, t, reduction="none"), [x], [])
+    kc.assert_kernel_ran(rec, *CE_OPS)
+    assert loss[~good].isnan().all() and grad[~good].isnan().all()
+    want = loss_and_grads(lambda x: reference64(x, t.clamp(max=c - 1), None, -100, "none", 0.0, 0.0, None), [x], [])
+    torch.testing.assert_close(loss[good].double(), want[0][good])
+    hidden, head = (kc.make_input(s, torch.float32, DEVICE, "contiguous", seed=5) for s in ((6, 8), (c, 8)))
+    fused = kp_losses.fused_linear_cross_entropy(hidden, head, t, reduction="none", chunk_size=4)
+    assert fused[~good].isnan().all() and fused[good].isfinite().all()
+
+
 @pytest.mark.conformance(kernel="cross_entropy", prop="no_mutation")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_no_mutation(dtype):
