@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-PACKAGES = ("kp_core", "kp_norms", "kp_attention", "kp_precision", "kp_sparsity")
+PACKAGES = ("kp_core", "kp_norms", "kp_attention", "kp_precision", "kp_sparsity", "kp_losses")
 
 # Imported with Triton compiling, not interpreting (the interpreter's functions have no key); no GPU is needed.
 SCRIPT = """

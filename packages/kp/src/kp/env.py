@@ -7,7 +7,16 @@ import importlib.util
 
 import torch
 
-PACKAGES = ("kp_core", "kp_norms", "kp_attention", "kp_precision", "kp_sparsity", "kp_graphs", "kp_distributed")
+PACKAGES = (
+    "kp_core",
+    "kp_norms",
+    "kp_attention",
+    "kp_precision",
+    "kp_sparsity",
+    "kp_graphs",
+    "kp_distributed",
+    "kp_losses",
+)
 
 
 def environment() -> dict:

@@ -11,6 +11,8 @@ ones), rounded once at the store.
 import triton
 import triton.language as tl
 
+from kp_core import jit_keys
+
 
 @triton.jit
 def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
@@ -157,3 +159,6 @@ def _ce_bwd(
             d *= 1.0 - r * r
         d = tl.where(counted, g * d, 0.0)  # zeros, as torch gives, even where g is inf (mean over no counted row)
         tl.store(DX + row * stride_dx + cols, tl.where(bad, float("nan"), d).to(DX.dtype.element_ty), mask=mask)
+
+
+jit_keys.settle_module(globals())  # every function's Triton cache key fixed at import (kp_core.jit_keys)
