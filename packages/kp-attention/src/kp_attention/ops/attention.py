@@ -495,7 +495,10 @@ def _backward(op, dout, dlse, q, k, v, out, lse, mask, alibi, seed, cu_q, cu_k, 
     if p.impl == FA4:
         bounds = (p.max_seqlen_q, p.max_seqlen_k) if varlen else (None, None)
         args = (p.scale, p.softcap, p.window_left, p.window_right, cu_q, cu_k, *bounds)
-        return attention_fa4.backward(op, dout, dlse, q, k, v, out, lse, *args, deterministic=p.deterministic)
+        grads = _grads_like(q, k, v)
+        return attention_fa4.backward(
+            op, dout, dlse, q, k, v, out, lse, *args, deterministic=p.deterministic, grads=grads
+        )
     if dout is None:  # only lse was used
         dout = out.new_zeros(out.shape)
     backend = kp_core.choose_backend(op, q)

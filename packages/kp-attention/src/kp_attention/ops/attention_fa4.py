@@ -202,13 +202,15 @@ def backward(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     deterministic: bool = False,
+    *,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from FlashAttention-4's backward, for the gradients dout of out (zeros when None) and dlse of
-    lse; deterministic: its backward without atomic adds (slower; kp's Triton backward never has any)."""
+    lse, written into `grads` (the op's buffers, laid out as its fake kernel says; FlashAttention-4 takes any
+    layout); deterministic: its backward without atomic adds (slower; kp's Triton backward never has any)."""
     kp_core.note_launch(op, "flash_attn_bwd", CUTE)
     window = _window(window_left, window_right)
-    # Gradients laid out like q, k and v (as the op's fake kernel says), passed in so the layout is kp's to keep
-    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    dq, dk, dv = grads
     dq, dk, dv = interface()._flash_attn_bwd(
         q,
         k,

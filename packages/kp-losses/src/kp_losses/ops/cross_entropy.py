@@ -72,11 +72,9 @@ def _bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
-def _scalars(x: torch.Tensor, weight: Optional[torch.Tensor], ignore_index, smoothing, z_loss, softcap):
-    """The kernels' arguments after C: the options as float64 bits; the weights' sum as a one-element tensor (no
-    read back to the host)."""
-    total = weight.sum(dtype=row_dtype(x.dtype)).reshape(1) if weight is not None and smoothing else x
-    return (ignore_index, _bits(smoothing), _bits(z_loss), _bits(softcap), total)
+def _scalars(ignore_index, smoothing, z_loss, softcap) -> tuple:
+    """The kernels' arguments after C: ignore_index, then the options as float64 bits."""
+    return (ignore_index, _bits(smoothing), _bits(z_loss), _bits(softcap))
 
 
 def _consts(x: torch.Tensor, weight, smoothing: float, softcap: float, block_c: int) -> dict:
@@ -158,8 +156,7 @@ def launch_forward(op, x, target, weight, loss, stats, ignore_index, smoothing, 
     rows, c = x.shape
     kp_core.check_index_fits(op, "the launch grid (rows)", rows)
     block_c, num_warps = _tiles("_ce_fwd", c, backend)
-    scalars = _scalars(x, weight, ignore_index, smoothing, z_loss, softcap)[:-1]  # W: summed in the kernel
-    args = (x, x.stride(0), target, weight, loss, stats, c, *scalars)
+    args = (x, x.stride(0), target, weight, loss, stats, c, *_scalars(ignore_index, smoothing, z_loss, softcap))
     consts = _consts(x, weight, smoothing, softcap, block_c)
     kp_core.launch(op, backend, kernels._ce_fwd, (rows,), args, consts, num_warps)
 
@@ -175,7 +172,9 @@ def launch_backward(op, grad, x, dx, target, weight, stats, ignore_index, smooth
     rows, c = x.shape
     kp_core.check_index_fits(op, "the launch grid (rows)", rows)
     block_c, num_warps = _tiles("_ce_bwd", c, backend)
-    scalars = _scalars(x, weight, ignore_index, smoothing, z_loss, softcap)
+    # the smoothing term's W = sum_j w_j, one value on the device (no read back to the host); the forward sums it itself
+    total = weight.sum(dtype=row_dtype(x.dtype)).reshape(1) if weight is not None and smoothing else x
+    scalars = (*_scalars(ignore_index, smoothing, z_loss, softcap), total)
     args = (x, x.stride(0), dx, dx.stride(0), target, weight, stats, grad, grad.stride(0), c, *scalars)
     consts = _consts(x, weight, smoothing, softcap, block_c)
     kp_core.launch(op, backend, kernels._ce_bwd, (rows,), args, consts, num_warps)

@@ -129,19 +129,17 @@ def forward(
     gradients for a loss gradient of 1 where the reduction is "mean" or "sum" and they are needed, else None."""
     options = (ignore_index, label_smoothing, z_loss, softcap)
     needs = (need_input, need_weight, need_bias and bias is not None)
+    dtype = ce.row_dtype(input.dtype)
+    denom = ce.mean_denominator(target, ce_weight, ignore_index, dtype) if reduction == MEAN else None
     scale = None
     if reduction != NONE and any(needs):
-        dtype = ce.row_dtype(input.dtype)
-        one = torch.ones((), dtype=dtype, device=input.device)
-        scale = one / ce.mean_denominator(target, ce_weight, ignore_index, dtype) if reduction == MEAN else one
-        scale = scale.expand(input.shape[0])
+        scale = torch.ones((), dtype=dtype, device=input.device)
+        scale = (scale if denom is None else scale / denom).expand(input.shape[0])
     rows, dx, dw, db = _run(OP, input, weight, target, bias, ce_weight, options, scale, needs, chunk_size)
     if reduction == NONE:
         return rows, None, None, None
     loss = rows.sum()
-    if reduction == MEAN:
-        loss = loss / ce.mean_denominator(target, ce_weight, ignore_index, rows.dtype)
-    return loss, dx, dw, db
+    return (loss if denom is None else loss / denom), dx, dw, db
 
 
 def backward(
