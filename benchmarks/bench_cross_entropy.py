@@ -10,10 +10,11 @@
 
 Part 1, linear + cross-entropy: the loss of h @ W.T (h: tokens x hidden, W: vocab x hidden; Llama 3 8B, TinyLlama,
 Qwen2 7B and Gemma 2 2B heads, the last with its final-logit softcap 30), gradients of h and W. Providers:
-kp_losses.fused_linear_cross_entropy; Liger-Kernel's liger_fused_linear_cross_entropy (its defaults: bf16 dW
-accumulation); Cut Cross-Entropy's linear_cross_entropy (its defaults: impl "cce", filter_eps "high", which skips
-gradient blocks of negligible probability); QuACK's cross_entropy after F.linear (no softcap); torchtune's chunked
-loss (8 chunks, each logits.float() then a summed F.cross_entropy, compiled) and plain torch (fp32 logits).
+kp_losses.fused_linear_cross_entropy (and again with its target check off, what the check costs); Liger-Kernel's
+liger_fused_linear_cross_entropy (its defaults: bf16 dW accumulation); Cut Cross-Entropy's linear_cross_entropy (its
+defaults: impl "cce", filter_eps "high", which skips gradient blocks of negligible probability); QuACK's
+cross_entropy after F.linear (no softcap); torchtune's chunked loss (8 chunks, each logits.float() then a summed
+F.cross_entropy, compiled) and plain torch (fp32 logits).
 Cells: ms and peak MiB, the peak of torch.cuda.max_memory_allocated over one call above what was allocated
 before it: the gradients dh, dW (the same for every provider) plus each provider's own buffers.
 
@@ -54,7 +55,15 @@ LINEAR_CASES = {
     "gemma2-2b": (8192, 2304, 256000, 30.0),
 }
 CE_CASES = {"ce-128k": (8192, 128256), "ce-32k": (16384, 32000), "ce-256k": (4096, 256000)}  # name: (tokens, vocab)
-LINEAR_PROVIDERS = ("kp", "liger", "cut cross-entropy", "quack", "torch compile chunked", "torch")
+LINEAR_PROVIDERS = (
+    "kp",
+    "kp, targets unchecked",
+    "liger",
+    "cut cross-entropy",
+    "quack",
+    "torch compile chunked",
+    "torch",
+)
 NO_SOFTCAP = {"quack"}  # a "-" cell in the softcap rows
 CE_PROVIDERS = ("kp", "liger", "quack", "torch", "torch compile")
 REPEATS = 3
@@ -92,7 +101,17 @@ def _anchor(name: str, make, out: dict) -> None:
 def linear_providers(compiled: bool = True, gpu: bool = True) -> dict:
     import kp_losses
 
-    out = {"kp": lambda h, w, t, cap: kp_losses.fused_linear_cross_entropy(h, w, t, softcap=cap)}
+    def kp(h, w, t, cap):
+        return kp_losses.fused_linear_cross_entropy(h, w, t, softcap=cap)
+
+    def unchecked(h, w, t, cap):  # what kp's target check (one host sync a call) costs
+        kept, kp_losses.functional.VALIDATE_TARGETS = kp_losses.functional.VALIDATE_TARGETS, False
+        try:
+            return kp(h, w, t, cap)
+        finally:
+            kp_losses.functional.VALIDATE_TARGETS = kept
+
+    out = {"kp": kp, "kp, targets unchecked": unchecked}
     if gpu:  # Triton or CuTe kernels: no CPU path
         _anchor("liger", _liger_linear, out)
         _anchor("cut cross-entropy", _cce, out)

@@ -16,7 +16,8 @@ Every variant starts from the same bf16 weights and sees the same batches:
   fusions across packages, to show what they add).
 - With a fused linear + cross-entropy (the loss from the decoder's last hidden states and lm_head's weight, the
   logits never made whole): Liger-Kernel's patch + compile with its fused linear cross-entropy, compile + torchao
-  float8 tensorwise with Cut Cross-Entropy (+ FlashAttention-4), and kp.optimize + compile with kp-losses'.
+  float8 tensorwise with Cut Cross-Entropy (+ FlashAttention-4), and kp.optimize + compile trained through the
+  model's own loss (labels passed), which kp.optimize's loss site fuses with kp-losses where it chose it.
 - Per variant: ms per train step (forward, cross-entropy, backward, AdamW), tokens/s, peak memory above the weights
   and optimiser state, host CPU time per step (the Python thread's CPU time), and for the demo's model the mean
   loss of the last 20 of --steps steps on fixed synthetic data, against eager's. The variants without a fused loss
@@ -113,12 +114,6 @@ def _cce_loss(hidden, weight, target):
     return linear_cross_entropy(hidden, weight, target)
 
 
-def _kp_loss(hidden, weight, target):
-    import kp_losses
-
-    return kp_losses.fused_linear_cross_entropy(hidden, weight, target, out_dtype=torch.float32)
-
-
 def _fused(build, loss):
     """build, then the train step's loss by `loss(hidden (tokens, H), lm_head.weight, target (tokens,))` from the
     decoder's last hidden states (a Hugging Face causal LM's `model.model`), the logits never made whole."""
@@ -136,6 +131,19 @@ def _fused(build, loss):
     return wrapped
 
 
+def _labelled(build):
+    """build, then the train step's loss from the model's own forward given the labels (`shift_labels`: the
+    batch's targets as they are, not shifted again): transformers' loss, or kp_losses' fused one where kp.optimize
+    chose the model's loss site (kp_losses.patch)."""
+
+    def wrapped(model: nn.Module) -> nn.Module:
+        model = build(model)
+        model.fused_loss = lambda x, target: model(x, labels=target, shift_labels=target).loss
+        return model
+
+    return wrapped
+
+
 def variants(gpu: bool) -> dict:
     """name -> build(model copy) -> the model to train; kp.optimize's report is kept on the model."""
     out = {"eager": lambda m: m, "kp.optimize": lambda m: m}
@@ -148,7 +156,7 @@ def variants(gpu: bool) -> dict:
         out["compile + torchao float8 rowwise"] = _torchao("rowwise")
         out["compile + FlashAttention-4"] = _fa4(demo.compile_layers)
         out["compile + torchao float8 tensorwise + FlashAttention-4"] = _fa4(_torchao("tensorwise"))
-        out["kp.optimize + compile + kp-losses"] = _fused(demo.compile_layers, _kp_loss)
+        out["kp.optimize + compile + kp-losses"] = _labelled(demo.compile_layers)  # its loss site chosen or not
         out["compile + torchao float8 tensorwise + Cut Cross-Entropy"] = _fused(_torchao("tensorwise"), _cce_loss)
         out["compile + torchao float8 tensorwise + FlashAttention-4 + Cut Cross-Entropy"] = _fused(
             _fa4(_torchao("tensorwise")), _cce_loss

@@ -274,8 +274,11 @@ def _refusal(refused: dict, name: str) -> str | None:
 
 
 def capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on `device`'s current stream (route's replayed choice then)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether a CUDA graph is being captured on `device`'s current stream (route's replayed choice then). Traced by
+    torch.compile: no (dynamo cannot trace the query; the traced call takes what an eager call decided)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _replay_ms(name: str, fn: Callable[[], object]) -> float:

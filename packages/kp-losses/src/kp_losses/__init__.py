@@ -2,7 +2,7 @@
 
 from kp_losses.functional import cross_entropy, fused_linear_cross_entropy
 from kp_losses.modules import CrossEntropyLoss, LinearCrossEntropyLoss
-from kp_losses.patch import patch, unpatch
+from kp_losses.patch import patch, patchable, unpatch
 
 __version__ = "0.1.0"
 
@@ -12,5 +12,6 @@ __all__ = [
     "cross_entropy",
     "fused_linear_cross_entropy",
     "patch",
+    "patchable",
     "unpatch",
 ]

@@ -134,16 +134,30 @@ def patch(model: nn.Module, *, skip_logits: bool | None = None) -> list[str]:
     kp_core.check_module(op, "model", model)
     if skip_logits is not None:
         kp_core.check_bool(op, "skip_logits", skip_logits)
-    keep = _keep_argument(model)
-    if type(model) not in _patchable() or keep is None or not isinstance(getattr(model, "lm_head", None), nn.Linear):
+    if not patchable(model):
         return []
-    if getattr(getattr(model, "loss_function", None), "__name__", None) != "ForCausalLMLoss":
-        return []  # a loss of its own (set by the user or the class): left alone
     if _ORIGINAL not in vars(model):
         setattr(model, _ORIGINAL, model.forward)
         model.forward = types.MethodType(_forward, model)
-    model._kp_losses_skip_logits, model._kp_losses_keep = skip_logits, keep
+    model._kp_losses_skip_logits, model._kp_losses_keep = skip_logits, _keep_argument(model)
     return ["lm_head"]
+
+
+def patchable(model: nn.Module) -> bool:
+    """Whether patch(model) fuses its loss: one of the classes above, with a Linear lm_head, transformers' own
+    causal-LM loss function (not one the user or the class set) and a logits_to_keep argument.
+
+    Examples:
+        >>> import torch
+        >>> import kp_losses
+        >>> kp_losses.patchable(torch.nn.Linear(2, 2))
+        False
+    """
+    if type(model) not in _patchable() or _keep_argument(model) is None:
+        return False
+    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        return False
+    return getattr(getattr(model, "loss_function", None), "__name__", None) == "ForCausalLMLoss"
 
 
 def unpatch(model: nn.Module) -> list[str]:

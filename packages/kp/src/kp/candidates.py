@@ -14,6 +14,8 @@ import kp_attention
 import kp_norms
 import kp_precision
 import kp_sparsity
+from kp.loss_site import KIND as LOSS_KIND
+from kp.loss_site import FusedLoss
 from kp_attention.ops import attention_fa4
 from kp_attention.patch import BACKEND_ATTR
 
@@ -122,6 +124,10 @@ LINEAR = (
 )
 
 
+# A causal LM's head and loss (kp.loss_site), in training: kp_losses' fused loss, lossless (the conformance rule).
+LOSS = Candidate("kp_losses fused linear cross-entropy", "losses", FusedLoss, modes=("train",))
+
+
 def kind_of(module: nn.Module) -> str | None:
     """The site kind of `module`, or None when kp has nothing for it. Classes are matched exactly, as the
     packages' own patching does: a subclass may compute something else."""
@@ -138,6 +144,8 @@ def kind_of(module: nn.Module) -> str | None:
 def candidates(kind: str, mode: str) -> list[Candidate]:
     if kind == "linear":
         return [c for c in LINEAR if mode in c.modes]
+    if kind == LOSS_KIND:
+        return [c for c in (LOSS,) if mode in c.modes]
     if kind == "attention":
         fa4 = torch.cuda.is_available() and attention_fa4.unavailable(torch.device("cuda")) is None
         return [c for c in ATTENTION if fa4 or c is ATTENTION[0]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatch
@@ -20,7 +21,7 @@ from torch import nn
 import kp_attention
 import kp_core
 from kp import cache as disk
-from kp import fusions, graphs
+from kp import fusions, graphs, loss_site
 from kp.candidates import ATTENTION, ATTENTION_BACKEND, Candidate, candidates, kind_of
 from kp.env import environment
 from kp.measure import (
@@ -84,6 +85,8 @@ def _sites(model: nn.Module, example_inputs: tuple, mode: str, allow, deny) -> l
             kinds[name] = kind
     out = []
     for site in capture(model, example_inputs, kinds):
+        if mode == "train":  # a causal LM's head: its loss is the site (kp_losses), in place of the bare linear
+            site = loss_site.site(model, site, example_inputs) or site
         cands = [c for c in candidates(site.kind, mode) if _allowed((c.name, c.family, site.name), allow, deny)]
         if cands:
             out.append((site, cands))
@@ -278,9 +281,10 @@ def optimize(
     example_inputs: the model's positional arguments for a representative batch (its shapes are what is timed).
     mode "train": forward and backward are timed and checked (gradients too); "infer": forward only.
     allow / deny: fnmatch patterns over candidate names ("float8 rowwise"), families ("norms", "glu", "float8",
-    "sparsity", "graphs": the whole model from CUDA graphs, kp.graphs) and layer names ("model.layers.0.*"); deny
-    wins. loss_budget: the relative error (L2, against float64) that a candidate changing the layer's function
-    (float8, 2:4) may have in each output and gradient; lossless candidates must meet kp's conformance rule instead.
+    "sparsity", "losses", "graphs": the whole model from CUDA graphs, kp.graphs) and layer names
+    ("model.layers.0.*"); deny wins. loss_budget: the relative error (L2, against float64) that a candidate
+    changing the layer's function (float8, 2:4) may have in each output and gradient; lossless candidates must meet
+    kp's conformance rule instead.
     min_speedup: how much faster a candidate must be to replace PyTorch's layer, and kp's whole step PyTorch's.
     timer(layer, candidate, fn) -> ms replaces the built-in timing (CUDA events around each call, the host's launch
     cost included); kp.graph_timer times the GPU's work alone, for a model that will be compiled or run from CUDA
@@ -292,6 +296,13 @@ def optimize(
 
     example_inputs are what the model takes (tensors of any dtype it computes in); every layer is checked on
     them against float64, and in "train" mode the model's float outputs are summed for the backward.
+
+    In "train" mode a Hugging Face causal LM whose loss kp_losses can fuse (kp_losses.patchable; its token ids
+    the first example input) has a site "<lm_head> + loss" (family "losses") in place of its lm_head: the head and
+    transformers' causal-LM loss on the batch's ids shifted by one, checked and timed against
+    kp_losses.fused_linear_cross_entropy; chosen, the model is patched (kp_losses.patch), so that its training calls
+    with labels never make the logits. The whole-step check runs the model without labels: it does not see that
+    site's gain, which stands on the site's own timing.
 
     Examples:
         >>> import torch
@@ -335,7 +346,11 @@ def optimize(
         elif layer.choice != "torch":
             gain = layer.torch_ms - next(t.ms for t in layer.tried if t.name == layer.choice)
             family = next(c.family for c in cands if c.name == layer.choice)
-            swaps.append(_module_swap(site, passed[layer.choice], gain, family))
+            if site.kind == loss_site.KIND:  # the model patched (kp_losses), not a module swapped
+                apply = functools.partial(loss_site.apply, name=site.name)
+                swaps.append(Swap(site.name, -1, gain, apply, family))
+            else:
+                swaps.append(_module_swap(site, passed[layer.choice], gain, family))
     if attention:
         swaps += _attention(attention, min_speedup)
     if swaps and _allowed(("fusion",), allow, deny):
@@ -389,7 +404,7 @@ def _float64_step(model: nn.Module, example_inputs: tuple, swaps: list[Swap]) ->
     float64: its outputs, then a gradient per trainable parameter of the model as it is now, matched by identity
     (None for one of kp's own that the original lacks), the order of kp.graphs' results."""
     order = trainable(model)
-    graphed = model.__dict__.pop("forward", None)  # kp.graphs' replaying forward, if installed: not copied
+    graphed = graphs.uninstall(model)  # kp.graphs' replaying forward, if installed: not copied
     restore(model)
     try:
         originals = {id(p): i for i, p in enumerate(trainable(model))}

@@ -18,6 +18,8 @@ timed eagerly.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -64,16 +66,30 @@ def build(model: nn.Module, example_inputs: tuple) -> kp_graphs.Graphed:
 def install(model: nn.Module, graphed, n_args: int, undo: list | None = None) -> None:
     """The model's forward becomes: the graphed callable for calls shaped as the example (n_args positional
     tensors, no keyword), its own forward for any other (generate's calls with a KV cache, labels=...)."""
-    own = type(model).forward
+    previous = model.__dict__.get("forward")  # an instance's own forward (kp_losses.patch's): kept under the graph
+    own = previous or functools.partial(type(model).forward, model)
 
     def forward(*args, **kwargs):
         if kwargs or len(args) != n_args or not all(isinstance(a, torch.Tensor) for a in args):
-            return own(model, *args, **kwargs)
+            return own(*args, **kwargs)
         return graphed(*args)
 
+    forward.previous = previous
     model.__dict__["forward"] = forward
     if undo is not None:
-        undo.append((SITE, lambda: model.__dict__.pop("forward", None)))
+        undo.append((SITE, lambda: uninstall(model)))
+
+
+def uninstall(model: nn.Module):
+    """Take install's forward off the model (the instance forward it covered, if any, back in place); returns it,
+    or None when it was not installed."""
+    forward = model.__dict__.get("forward")
+    if not hasattr(forward, "previous"):
+        return None
+    del model.__dict__["forward"]
+    if forward.previous is not None:
+        model.__dict__["forward"] = forward.previous
+    return forward
 
 
 def spread(a: list, b: list) -> list[float]:
@@ -133,7 +149,7 @@ def decide(
                     detail = f"differs from eager by up to {max(diff):.3g}, within the rule against float64: {rule}"
             if bad:
                 i, d, n = bad[0]
-                model.__dict__.pop("forward", None)  # eager again, on the default stream, for the report only
+                uninstall(model)  # eager again, on the default stream, for the report only
                 default = spread(eager, _results(run))[i]
                 error = (
                     f"result {i} differs from eager's by {d:.3g} (eager's own run-to-run spread: {n:.3g}; eager on "
@@ -143,7 +159,7 @@ def decide(
                 return _row(eager_ms, tried, "the graphed step did not match eager"), None, times
             ms = ms or timer(SITE, CANDIDATE, run)
         finally:
-            model.__dict__.pop("forward", None)
+            uninstall(model)
     except Exception as e:  # a model a graph cannot hold (a host sync inside, an op that cannot be captured)
         note = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         return _row(eager_ms, Tried(CANDIDATE, "not applicable", note=note), note), None, times

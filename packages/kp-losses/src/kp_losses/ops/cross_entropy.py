@@ -39,12 +39,12 @@ OP_BWD = f"{OP}_backward"
 PACKAGE = "kp-losses"
 SPEC = "cross_entropy"
 DTYPES = kp_core.FLOAT_DTYPES
-# Classes per slice of a row and warps, as the H200 run of the package's tests, spec and benchmark had them. A sweep
-# on the H200 since (bf16, 8192 x 128256 and 16384 x 32000, slices of 1K-16K classes, 4-16 warps) found the forward
-# at 3725 GB/s with 4 warps (0.87x a copy's 4294) and the backward's read and write at 3755 GB/s with 16: to adopt
-# once a GPU run checks them. The interpreter's slices are smaller, so that the specs' vocabularies span several of
-# them (the running max and sum across slices) at a size it walks quickly.
-TILES = {"_ce_fwd": dict(block_c=4096, num_warps=8), "_ce_bwd": dict(block_c=4096, num_warps=8)}
+# Classes per slice of a row and warps. H200, bf16, (m, s) kernels, 8192 x 128256 / 16384 x 32000 / 8192 x 256000
+# rows (GB/s; a copy moves 4260-4300): the forward 3700 / 3460 / 3562 with 4 warps (8 warps: 3327 / 3045 / 3264;
+# 16: 2364; 8K slices 3592), the backward's read and write 3741 / 3595 / 3720 with 16 (8 warps: 3693 / 3533 / 3674).
+# The interpreter's slices are smaller, so that the specs' vocabularies span several of them (the running max and
+# sum across slices) at a size it walks quickly.
+TILES = {"_ce_fwd": dict(block_c=4096, num_warps=4), "_ce_bwd": dict(block_c=4096, num_warps=16)}
 INTERPRET_BLOCK_C = 256
 
 

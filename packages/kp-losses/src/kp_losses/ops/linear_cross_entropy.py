@@ -35,9 +35,9 @@ DTYPES = kp_core.FLOAT_DTYPES
 MEAN, SUM, NONE = 0, 1, 2  # the op's `reduction` (kp_losses.functional.REDUCTIONS' order)
 # A chunk's logits: CHUNK_BYTES, at most a quarter of the free memory; rows a multiple of ROW_MULTIPLE (the GEMMs'
 # tiles). H200, 8192 x 4096 x 128256 bf16, forward + backward: chunks of 512 / 1024 / 2048 / 4096 rows (125 MiB to
-# 1 GiB of logits) took 51.5 / 42.0 / 40.3 / 38.7 ms (the three GEMMs alone: 37.1 ms), their peak growing with the
-# chunk. 256 MiB (1024 rows there) is what the H200 run of the tests, spec and benchmark had.
-CHUNK_BYTES = 256 << 20
+# 1 GiB of logits) took 51.5 / 43.2 / 39.1 / 39.0 ms (the three GEMMs alone: 38.0 ms), the peak growing with the
+# chunk: 512 MiB (2048 rows there) is where the time stops falling.
+CHUNK_BYTES = 512 << 20
 ROW_MULTIPLE = 128
 
 
