@@ -54,6 +54,7 @@ API_TARGETS = [
         dict(model=MODEL, skip_logits=fuzz.Scalar(bad=(1, "yes"))),
     ),
     _target("kp_losses.unpatch", "kp-losses", kp_losses.unpatch, lambda d: dict(model=_model()), dict(model=MODEL)),
+    _target("kp_losses.patchable", "kp-losses", kp_losses.patchable, lambda d: dict(model=_model()), dict(model=MODEL)),
     _target(
         "kp_losses.CrossEntropyLoss(...)",
         "kp-losses",

@@ -74,7 +74,8 @@ FAKE_SUITE = """
 
     @pytest.mark.parametrize("i", range(10))
     def test_resolves_to_kp(i):
-        assert flash_attn_func is kp_attention.flash_attn.flash_attn_func and not USE_TRITON_ROCM
+        kp_function = getattr(flash_attn_func, "__wrapped__", flash_attn_func)  # torch:*: without lse
+        assert kp_function is kp_attention.flash_attn.flash_attn_func and not USE_TRITON_ROCM
 
     @pytest.mark.parametrize("i", range(6))
     def test_skips(i):
@@ -125,6 +126,24 @@ def test_the_suite_checks_the_backend_asked_for(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "backend fa4" in done.stdout
     if not torch.cuda.is_available():
-        assert counts["test_a_call"] == {"skipped": 1} and "backend='fa4' cannot take this call" in done.stdout
+        why = "float32 (FlashAttention-4 takes float16 and bfloat16)"  # the call's first refusal
+        assert counts["test_a_call"] == {"skipped": 1, "skip reasons": {why: 1}}, counts
+        assert "backend='fa4' cannot take this call" in done.stdout
+        assert f"skipped test_a_call: 1 x {why}" in done.stdout
+    done, counts = _run(tmp_path, "--fa-sample", "0", "--fa-backend", "torch", "-rs")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert counts["test_resolves_to_kp"] == {"passed": 10}  # the shim's functions wrapped, kp's underneath
     done, _ = _run(tmp_path, "--fa-backend", "cudnn")
     assert done.returncode != 0 and "backend must be one of" in done.stdout + done.stderr
+
+
+@pytest.mark.conformance(kernel="fa_suite", prop="backend")
+def test_torch_backends_answer_attention_probabilities_with_none():
+    """torch's kernels return no lse: return_attn_probs=True gives (out, None, None), so that a test reading lse
+    fails rather than reads another backend's."""
+    from kp_conformance import fa_suite
+
+    calls = []
+    fn = fa_suite._without_lse(lambda *a, **k: calls.append((a, k)) or "out")
+    assert fn(1, dropout_p=0.0, return_attn_probs=True) == ("out", None, None)
+    assert fn(2) == "out" and calls == [((1,), {"dropout_p": 0.0}), ((2,), {})]

@@ -11,12 +11,17 @@ public API, which is what kp_attention.flash_attn reproduces).
 
 --fa-backend B pins kp_attention's backend (kp_attention.backend: "kp", the default, "torch:cudnn",
 "torch:flash", "fa4" or "auto"): the same tests then check that implementation behind kp's module. A case the
-backend cannot take (FlashAttention-4 has no dropout or ALiBi, ...) is skipped with the reason, not failed.
+backend cannot take (FlashAttention-4 has no dropout or ALiBi, ...) is skipped with the reason, not failed; the
+summary and the report count the reasons. FlashAttention-4's own modules (`flash_attn.cute`) stay importable under
+the shim, so that the "fa4" backend can run. torch's kernels return no lse: under a "torch:*" backend the shim's
+functions answer `return_attn_probs=True` with (out, None, None), which the tests accept where they read neither
+(the output tests without dropout; dropout itself torch refuses), and any test that reads lse fails visibly.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import random
 import sys
@@ -44,9 +49,49 @@ def pytest_configure(config):
     chosen = config.getoption("--fa-backend")
     backend.check("--fa-backend", chosen)
     kp_core.pin("attention_backend", backend=chosen)  # the implementation the suite checks (kp's by default)
+    _import_fa4()  # before the shim: FlashAttention-4's flash_attn.cute keeps its own modules
     sys.path.insert(0, str(SHIM))
     for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
-        del sys.modules[name]  # an installed FlashAttention must not stand in for kp's
+        if not name.startswith("flash_attn.cute"):
+            del sys.modules[name]  # an installed FlashAttention must not stand in for kp's
+    config._kp_fa_reasons = collections.defaultdict(collections.Counter)
+    if chosen.startswith("torch"):
+        import flash_attn  # the shim
+
+        for name in LSE_FUNCTIONS:
+            setattr(flash_attn, name, _without_lse(getattr(flash_attn, name)))
+
+
+LSE_FUNCTIONS = (
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+)
+
+
+def _import_fa4() -> None:
+    """FlashAttention-4 imported where it is installed and can run (kp_attention's fa4 backend imports it
+    lazily, by a name the shim would otherwise take)."""
+    import torch
+
+    from kp_attention.ops import attention_fa4
+
+    if torch.cuda.is_available():
+        attention_fa4.unavailable(torch.device("cuda"))
+
+
+def _without_lse(fn):
+    """fn answering return_attn_probs=True with (out, None, None): torch's kernels make no lse or S_dmask."""
+
+    @functools.wraps(fn)
+    def call(*args, return_attn_probs=False, **kwargs):
+        out = fn(*args, **kwargs)
+        return (out, None, None) if return_attn_probs else out
+
+    return call
 
 
 @pytest.hookimpl(wrapper=True)
@@ -56,6 +101,8 @@ def pytest_runtest_call(item):
         return (yield)
     except ValueError as e:
         if "cannot take this call" in str(e):
+            why = str(e).split("cannot take this call: ", 1)[-1][:120]
+            item.config._kp_fa_reasons[_function(item)][why] += 1
             pytest.skip(str(e)[:200])
         raise
 
@@ -100,6 +147,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for name in sorted(counts):
         c = counts[name]
         tr.write_line(f"{name:48s} {c['passed']:7d} {c['failed']:7d} {c['skipped']:8d} {c['error']:6d}")
+    reasons = getattr(config, "_kp_fa_reasons", {})
+    for name in sorted(reasons):
+        for why, n in reasons[name].most_common(3):
+            tr.write_line(f"skipped {name}: {n} x {why}")
     path = config.getoption("--fa-report")
     if path:
-        Path(path).write_text(json.dumps({k: dict(v) for k, v in sorted(counts.items())}, indent=1) + "\n")
+        out = {k: {**v, **({"skip reasons": dict(reasons[k])} if reasons.get(k) else {})} for k, v in counts.items()}
+        out = dict(sorted(out.items()))
+        Path(path).write_text(json.dumps(out, indent=1) + "\n")

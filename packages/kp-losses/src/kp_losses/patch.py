@@ -153,6 +153,7 @@ def patchable(model: nn.Module) -> bool:
         >>> kp_losses.patchable(torch.nn.Linear(2, 2))
         False
     """
+    kp_core.check_module("kp_losses.patchable", "model", model)
     if type(model) not in _patchable() or _keep_argument(model) is None:
         return False
     if not isinstance(getattr(model, "lm_head", None), nn.Linear):
