@@ -58,18 +58,15 @@ def pytest_configure(config):
     if chosen.startswith("torch"):
         import flash_attn  # the shim
 
-        for name in LSE_FUNCTIONS:
+        for name in _lse_functions():
             setattr(flash_attn, name, _without_lse(getattr(flash_attn, name)))
 
 
-LSE_FUNCTIONS = (
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-)
+def _lse_functions() -> tuple[str, ...]:
+    """The shim's functions that take return_attn_probs: every public one but the KV-cache call."""
+    from kp_attention import flash_attn
+
+    return tuple(name for name in flash_attn.__all__ if name != "flash_attn_with_kvcache")
 
 
 def _import_fa4() -> None:
