@@ -272,6 +272,45 @@ def test_out_of_range_targets_without_the_check_are_nan_rows(monkeypatch):
     assert fused[~good].isnan().all() and fused[good].isfinite().all()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _targets_checked_at_the_call():
+    """The bad-input fuzzer wants the ValueError at the call; on a GPU the default check reports at a later call
+    (test_bad_targets_are_reported_by_a_later_call), so this spec checks synchronously ("sync") elsewhere."""
+    kept, kp_losses.functional.VALIDATE_TARGETS = kp_losses.functional.VALIDATE_TARGETS, "sync"
+    yield
+    kp_losses.functional.VALIDATE_TARGETS = kept
+
+
+@pytest.mark.conformance(kernel="cross_entropy", prop="bad_input")
+@pytest.mark.parametrize("fused", [False, True], ids=["cross_entropy", "fused"])
+def test_bad_targets_are_reported_by_a_later_call(monkeypatch, fused):
+    """The default on a GPU (forced here on any device): a call with a target out of range raises nothing and
+    gives NaN rows; the next call raises ValueError once its copy of the device's flag has landed; then calls run
+    again."""
+    monkeypatch.setattr(kp_losses.functional, "VALIDATE_TARGETS", True)
+    monkeypatch.setattr(kp_losses.functional, "_reports_later", lambda target: True)
+    c = 40
+    x = kc.make_input((5, c), torch.float32, DEVICE, "contiguous", seed=6)
+    head = kc.make_input((c, 8), torch.float32, DEVICE, "contiguous", seed=7)
+    hidden = kc.make_input((5, 8), torch.float32, DEVICE, "contiguous", seed=8)
+
+    def call(t):
+        if fused:
+            return kp_losses.fused_linear_cross_entropy(hidden, head, t, reduction="none")
+        return kp_losses.cross_entropy(x, t, reduction="none")
+
+    good = torch.tensor([0, 3, -100, c - 1, 7], device=DEVICE)
+    bad = torch.tensor([0, c, -100, c - 1, -2], device=DEVICE)
+    assert call(good).isfinite().all()
+    loss = call(bad)  # raises nothing
+    assert loss[[1, 4]].isnan().all() and loss[[0, 2, 3]].isfinite().all()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # the flag's copy has landed
+    with pytest.raises(ValueError, match="an earlier call's target held class indices outside"):
+        call(good)
+    assert call(good).isfinite().all()  # reported once
+
+
 @pytest.mark.conformance(kernel="cross_entropy", prop="no_mutation")
 @pytest.mark.parametrize("dtype", DTYPES, ids=kc.dtype_id)
 def test_no_mutation(dtype):

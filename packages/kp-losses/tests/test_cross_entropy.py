@@ -128,6 +128,7 @@ def test_target_dtypes_int32_and_uint8():
 
 
 def test_target_out_of_range_raises_or_is_nan(monkeypatch):
+    monkeypatch.setattr(functional, "VALIDATE_TARGETS", "sync")  # at the call, on a GPU too
     x, t = logits_and_target(c=50, ignored=())
     t[3] = 50
     with pytest.raises(ValueError, match="target holds 50, outside \\[0, 50\\)"):
@@ -140,6 +141,19 @@ def test_target_out_of_range_raises_or_is_nan(monkeypatch):
     assert loss[3].isnan() and grad[3].isnan().all()
     others = torch.arange(len(t), device=DEVICE) != 3
     torch.testing.assert_close(loss[others], F.cross_entropy(x[others], t[others], reduction="none"))
+
+
+def test_the_default_check_raises_at_the_call_on_a_cpu_and_at_a_later_call_on_a_gpu():
+    x, t = logits_and_target(c=50, ignored=())
+    t[2] = 77
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="target holds 77"):
+            kp_losses.cross_entropy(x, t)
+        return
+    assert kp_losses.cross_entropy(x, t).isnan()  # no sync: NaN now, the error at a later call
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="an earlier call's target"):
+        kp_losses.cross_entropy(x, t.clamp(max=49))
 
 
 BAD = [

@@ -2,9 +2,14 @@
 with PaLM's z-loss and Gemma 2's final-logit softcap, and the same loss from a head's hidden states and weight
 without the full logits (fused_linear_cross_entropy).
 
-Targets outside [0, C) (other than ignore_index) raise ValueError, as torch's CPU kernel does; the check reads one
-flag back from the GPU (a synchronisation), skipped under torch.compile and CUDA-graph capture and when
-VALIDATE_TARGETS is False, where such a row's loss and gradient are NaN instead (never a read out of bounds).
+Targets outside [0, C) (other than ignore_index) raise ValueError. The kernels never read out of bounds for them:
+such a row's loss and gradient are NaN. VALIDATE_TARGETS says when the error comes:
+    True (default)  on a CPU at the call; on a GPU the call's check runs on the device and a later call raises
+                    (no synchronisation: the step that had the bad target returns NaN, the next one raises), as
+                    kp-attention's decode reports its cache's bad values
+    "sync"          at the call everywhere (on a GPU one flag read back a call: a synchronisation)
+    False           never (NaN rows only)
+Under torch.compile and CUDA-graph capture the check is skipped (NaN rows).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import kp_core
 from kp_losses.ops import cross_entropy as ce_ops
 from kp_losses.ops import linear_cross_entropy as lce_ops
 
-VALIDATE_TARGETS = True
+VALIDATE_TARGETS: bool | str = True
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -65,10 +70,55 @@ def _check_target(op: str, target, shape: tuple, c: int, ignore_index: int, devi
     if checking and not (target.is_cuda and torch.cuda.is_current_stream_capturing()):
         t = target.long()
         bad = (t != ignore_index) & ((t < 0) | (t >= c))
-        if bool(bad.any()):
+        if _reports_later(target):
+            _later(op, bad)
+        elif bool(bad.any()):
             first = t[bad][0].item()
             raise ValueError(f"{op}: target holds {first}, outside [0, {c}) and not ignore_index ({ignore_index})")
     return target.reshape(-1).contiguous()  # the kernels read targets at unit stride
+
+
+def _reports_later(target: torch.Tensor) -> bool:
+    """Whether this call's bad targets are reported by a later call (VALIDATE_TARGETS True, on a GPU)."""
+    return VALIDATE_TARGETS is True and target.is_cuda
+
+
+class _Flag:
+    """A device's bad-target flag (set on the device by each checked call), its host copy (pinned on a GPU) and
+    the copy's event."""
+
+    def __init__(self, device: torch.device):
+        cuda = device.type == "cuda"
+        self.device = torch.zeros(1, dtype=torch.bool, device=device)
+        self.host = torch.zeros(1, dtype=torch.bool, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.pending = False
+
+
+_FLAGS: dict = {}
+
+
+def _later(op: str, bad: torch.Tensor) -> None:
+    """Raise if an earlier call's landed flag says it had bad targets (and clear it); then this call's bad rows
+    into the device's flag and its copy back started. Never blocks."""
+    index = bad.device.index
+    key = (bad.device.type, torch.cuda.current_device() if bad.is_cuda and index is None else index)
+    flag = _FLAGS.get(key) or _FLAGS.setdefault(key, _Flag(bad.device))
+    if flag.pending and (flag.event is None or flag.event.query()):
+        flag.pending = False
+        if bool(flag.host[0]):
+            flag.host.zero_()
+            flag.device.zero_()
+            raise ValueError(
+                f"{op}: an earlier call's target held class indices outside [0, C) that are not ignore_index (its "
+                "loss and gradient rows came out NaN); kp_losses.functional.VALIDATE_TARGETS = 'sync' raises at "
+                "the call itself, at one synchronisation a call"
+            )
+    flag.device |= bad.any()
+    flag.host.copy_(flag.device, non_blocking=flag.event is not None)
+    if flag.event is not None:
+        flag.event.record()
+    flag.pending = True
 
 
 def _check_class_weight(op: str, name: str, weight, c: int, device) -> Optional[torch.Tensor]:
