@@ -39,8 +39,9 @@ OPINFO_DEPS = ("expecttest",)  # torch's op_db (the opinfo spec's samples) impor
 BUILD_DEPS = ("hatchling>=1.27",)
 HF_DEPS = ("transformers>=4.45",)  # kp-norms' "hf" extra (kp_norms.patch on Hugging Face models)
 HF_TESTED = ("kp-norms", "kp-attention", "kp-losses", "kp-distributed", "kp")  # tests with tiny transformers models
-# kp-distributed's tests also shard a model built from the kernel packages (its code imports none of them)
-TESTED_WITH = {"kp-distributed": ("kp-norms", "kp-attention", "kp-precision")}
+# kp-distributed's tests also shard a model built from the kernel packages (its code imports none of them);
+# kp-losses' float8 head tests need its [float8] extra
+TESTED_WITH = {"kp-distributed": ("kp-norms", "kp-attention", "kp-precision"), "kp-losses": ("kp-precision",)}
 # The umbrella package `kp` depends on every other package.
 TESTED_WITH["kp"] = tuple(p for p in PACKAGES if p != "kp")
 
@@ -358,7 +359,7 @@ def release(session: nox.Session) -> None:
         session.log(f"{n} {_version(n)}: tag {_tag(n)}, CHANGELOG section and kp floors checked")
 
     # Build each distribution once (the packages and what they need from packages/), sdist then wheel from it.
-    everything = list(dict.fromkeys(d for n in names for d in [*_local_dependencies(n), n]))
+    everything = list(dict.fromkeys(d for n in names for d in [*_local_dependencies(n), *_extra_packages(n), n]))
     requires = {r for n in everything for r in _pyproject(n)["build-system"]["requires"]}
     session.install("build", "twine", "pypiserver", *sorted(requires))
     built = {}
@@ -533,7 +534,18 @@ for name in ("_flash_attn_fwd", "_flash_attn_bwd"):  # the private functions kp 
     assert callable(getattr(interface, name, None)), name
 print("flash-attn-4", found, "imports; off a GPU:", attention_fa4.unavailable(torch.device("cpu")))
 """,
-    )
+    ),
+    "kp-losses": (
+        "float8",
+        """
+import torch, kp_losses
+h, w, t = torch.randn(20, 32), torch.randn(48, 32), torch.randint(0, 48, (20,))
+loss = kp_losses.fused_linear_cross_entropy(h, w, t, float8="tensorwise")
+full = torch.nn.functional.cross_entropy(h @ w.T, t)
+assert abs(float(loss) - float(full)) < 0.1 * float(full), (float(loss), float(full))
+print("kp-losses[float8]: the float8 head runs through kp-precision", float(loss), float(full))
+""",
+    ),
 }
 
 
@@ -594,6 +606,17 @@ def _kp_requirements(name: str) -> list:
 
     reqs = [Requirement(r) for r in _pyproject(name)["project"]["dependencies"]]
     return [r for r in reqs if r.name in RELEASED]
+
+
+def _extra_packages(name: str) -> list[str]:
+    """The packages of this repository (and theirs) that `name`'s checked optional extra (OPTIONAL_EXTRAS) brings."""
+    from packaging.requirements import Requirement
+
+    if name not in OPTIONAL_EXTRAS:
+        return []
+    extra = _pyproject(name)["project"]["optional-dependencies"][OPTIONAL_EXTRAS[name][0]]
+    local = [r.name for r in map(Requirement, extra) if r.name in RELEASED]
+    return list(dict.fromkeys(d for n in local for d in [*_local_dependencies(n), n]))
 
 
 def _local_dependencies(name: str) -> list[str]:

@@ -10,7 +10,8 @@
 
 Part 1, linear + cross-entropy: the loss of h @ W.T (h: tokens x hidden, W: vocab x hidden; Llama 3 8B, TinyLlama,
 Qwen2 7B and Gemma 2 2B heads, the last with its final-logit softcap 30), gradients of h and W. Providers:
-kp_losses.fused_linear_cross_entropy (and again with its target check off, what the check costs); Liger-Kernel's
+kp_losses.fused_linear_cross_entropy (and again with its target check off, what the check costs, and with its head's
+GEMMs in float8, tensorwise and rowwise: checked against the fp32 reference with the float8 tolerance); Liger-Kernel's
 liger_fused_linear_cross_entropy (its defaults: bf16 dW accumulation); Cut Cross-Entropy's linear_cross_entropy (its
 defaults: impl "cce", filter_eps "high", which skips gradient blocks of negligible probability); QuACK's
 cross_entropy after F.linear (no softcap); torchtune's chunked loss (8 chunks, each logits.float() then a summed
@@ -47,6 +48,7 @@ IGNORE = -100
 LOGIT_STD = 4.0
 CHUNKS = 8  # torchtune's num_output_chunks
 LOSS_TOL, GRAD_TOL = 1e-2, 5e-2  # loose for bf16 (Liger's bf16 dW sum, CCE's filter); catch a wrong mean or scale
+FLOAT8_TOL = 5e-2, 1e-1  # a float8 head's (kp.optimize's float8 budget for the gradients)
 # name: (tokens, hidden, vocab, softcap)
 LINEAR_CASES = {
     "llama3-8b": (8192, 4096, 128256, None),
@@ -58,6 +60,8 @@ CE_CASES = {"ce-128k": (8192, 128256), "ce-32k": (16384, 32000), "ce-256k": (409
 LINEAR_PROVIDERS = (
     "kp",
     "kp, targets unchecked",
+    "kp, float8 tensorwise",
+    "kp, float8 rowwise",
     "liger",
     "cut cross-entropy",
     "quack",
@@ -111,7 +115,11 @@ def linear_providers(compiled: bool = True, gpu: bool = True) -> dict:
         finally:
             kp_losses.functional.VALIDATE_TARGETS = kept
 
+    def float8(recipe):  # the head's three GEMMs in float8 (kp-precision's recipes)
+        return lambda h, w, t, cap: kp_losses.fused_linear_cross_entropy(h, w, t, softcap=cap, float8=recipe)
+
     out = {"kp": kp, "kp, targets unchecked": unchecked}
+    out.update({f"kp, float8 {r}": float8(r) for r in ("tensorwise", "rowwise")})
     if gpu:  # Triton or CuTe kernels: no CPU path
         _anchor("liger", _liger_linear, out)
         _anchor("cut cross-entropy", _cce, out)
@@ -200,7 +208,8 @@ def check(name: str, run, leaves: list, ref: tuple) -> float | str:
     try:
         loss = run()
         loss.backward()
-        errs = [_rel(loss.detach(), ref[0]) / LOSS_TOL] + [_rel(x.grad, g) / GRAD_TOL for x, g in zip(leaves, ref[1:])]
+        loss_tol, grad_tol = FLOAT8_TOL if "float8" in name else (LOSS_TOL, GRAD_TOL)
+        errs = [_rel(loss.detach(), ref[0]) / loss_tol] + [_rel(x.grad, g) / grad_tol for x, g in zip(leaves, ref[1:])]
         for leaf in leaves:
             leaf.grad = None
         worst = max(errs)
@@ -211,7 +220,7 @@ def check(name: str, run, leaves: list, ref: tuple) -> float | str:
             raise
         print(f"{name} failed: {type(e).__name__}: {str(e)[:200]}")
         return f"{type(e).__name__}: {str(e)[:200]}"
-    return max(errs[0] * LOSS_TOL, *(e * GRAD_TOL for e in errs[1:]))
+    return max(errs[0] * loss_tol, *(e * grad_tol for e in errs[1:]))
 
 
 def reference(loss_fn, leaves: list) -> tuple:
@@ -459,7 +468,7 @@ def _tune_chunks(case: str) -> None:
 def smoke() -> None:
     """Each provider that runs on a CPU, once, checked against the fp32 reference on tiny inputs (kp under Triton's
     interpreter with TRITON_INTERPRET=1, else its PyTorch path); no torch.compile, no GPU-only anchor."""
-    linear = {"tiny": (64, 32, 300, None), "tiny softcap": (64, 32, 300, 30.0)}
+    linear = {"tiny": (64, 32, 304, None), "tiny softcap": (64, 32, 304, 30.0)}  # float8: multiples of 16
     failed = run_part(linear_case, linear, None, 1, "cpu", timing=False)
     failed += run_part(ce_case, {"tiny": (48, 1000)}, None, 1, "cpu", timing=False)
     assert not failed, f"failed on the CPU: {failed}"

@@ -51,7 +51,7 @@ API_TARGETS = [
         "kp-losses",
         kp_losses.patch,
         lambda d: dict(model=_model(), skip_logits=True),
-        dict(model=MODEL, skip_logits=fuzz.Scalar(bad=(1, "yes"))),
+        dict(model=MODEL, skip_logits=fuzz.Scalar(bad=(1, "yes")), float8=fuzz.Scalar(bad=("e4m3", 8))),
     ),
     _target("kp_losses.unpatch", "kp-losses", kp_losses.unpatch, lambda d: dict(model=_model()), dict(model=MODEL)),
     _target("kp_losses.patchable", "kp-losses", kp_losses.patchable, lambda d: dict(model=_model()), dict(model=MODEL)),
@@ -80,6 +80,7 @@ API_TARGETS = [
             reduction=fuzz.Scalar(bad=("avg",)),
             label_smoothing=fuzz.Scalar(bad=(1.5,)),
             chunk_size=fuzz.Scalar(bad=(0, -1, 2.5, True)),
+            float8=fuzz.Scalar(bad=("blockwise", True)),
         ),
     ),
     _target(

@@ -14,6 +14,7 @@ import kp_conformance as kc
 import kp_core
 import kp_losses
 from kp_conformance import fuzz
+from kp_conformance.references import quantize_fp8, scale_of_each, scaled_mm_lowp
 from kp_losses.ops import cross_entropy as ce_mod
 from kp_losses.ops import linear_cross_entropy as lce_mod
 
@@ -34,10 +35,20 @@ kc.declare(
             "reduced by hand), on logits z = softcap * tanh(x / softcap) (Gemma 2) with z_loss * logsumexp(z)^2 "
             "added per counted row, weighted by the target's class weight (PaLM, section 5); the fused form on "
             "logits x @ W.T + b formed in float64; PyTorch's own low-precision run is the same code in the "
-            "input's dtype"
+            "input's dtype; the float8 head: its recipe on plain-PyTorch float8 casts, in float64 and by PyTorch's "
+            "float8 GEMMs"
         ),
         dtypes=DTYPES,
-        properties=("values", "gradients", "switches", "no_mutation", "determinism", "zero_size", "bad_input"),
+        properties=(
+            "values",
+            "gradients",
+            "float8",
+            "switches",
+            "no_mutation",
+            "determinism",
+            "zero_size",
+            "bad_input",
+        ),
     )
 )
 
@@ -237,6 +248,96 @@ def test_linear_values_and_gradients(dtype, case):
     check_all(("loss", "dinput", "dweight", "dbias"), ours, ref, low, dtype)
 
 
+# ---- the float8 head (fused_linear_cross_entropy(float8=...)): kp-precision's recipes, the rule on norms ----
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+class _Cast:
+    """An operand cast by a recipe (kp_conformance.references.quantize_fp8, plain PyTorch): its float8 data and
+    every element's scale; dequantised exactly in float64, or multiplied by PyTorch's float8 GEMM."""
+
+    def __init__(self, t, fp8, rowwise):
+        gran = "rowwise" if rowwise else "tensorwise"
+        self.data, scale, _ = quantize_fp8(t.contiguous(), fp8, gran, power_of_2=rowwise)
+        self.scale = scale_of_each(self.data, scale, gran)
+
+    def t(self):
+        c = object.__new__(_Cast)
+        c.data, c.scale = self.data.t(), self.scale.t()
+        return c
+
+    def mm(self, other, lowp):
+        if lowp:
+            return scaled_mm_lowp(self.data, other.data, self.scale, other.scale)
+        return (self.data.double() * self.scale.double()) @ (other.data.double() * other.scale.double())
+
+
+def float8_head(x, weight, bias, t, g, recipe, reduction, lowp):
+    """(loss, dinput, dweight, dbias) of the recipe as kp_losses.ops.linear_cross_entropy_float8 describes it, one
+    chunk: float64 maths on the float8 operands (lowp=False), or PyTorch's own run (lowp=True): its float8 GEMMs,
+    logits and gradient rounded to the input's dtype, cross_entropy in fp32. A reduced loss's gradient is cast for a
+    loss gradient of 1, the GEMMs' results scaled by g (the op makes them in its forward, before g is known)."""
+    rowwise = recipe == "rowwise"
+    grad8 = E4M3 if rowwise else E5M2
+    qx, qw = _Cast(x, E4M3, rowwise), _Cast(weight, E4M3, rowwise)
+    z = qx.mm(qw.t(), lowp) + (0 if bias is None else bias.to(torch.float32 if lowp else torch.float64))
+    z = (z.to(x.dtype).float() if lowp else z).detach().requires_grad_()
+    loss = F.cross_entropy(z, t, reduction=reduction)
+    # a reduced loss's gradients are made for a loss gradient of 1 and scaled by the actual one (a scalar) after
+    # the GEMMs; "none" casts each row's own
+    after = g.to(loss.dtype) if reduction != "none" else None
+    (dz,) = torch.autograd.grad(loss, z, torch.ones_like(loss) if after is not None else g.to(loss.dtype))
+    dz = dz.to(x.dtype) if lowp else dz  # ours: the kernels write it over the logits, in their dtype
+    qg = _Cast(dz, grad8, rowwise)
+    w_dx = _Cast(weight.t(), E4M3, True).t() if rowwise else qw
+    dx = qg.mm(w_dx, lowp)
+    if rowwise:
+        dw = _Cast(dz.t(), grad8, True).mm(_Cast(x.t(), E4M3, True).t(), lowp)
+    else:
+        dw = qg.t().mm(qx, lowp)
+    db = dz.sum(0, dtype=torch.float32 if lowp else torch.float64)
+    grads = [d.to(x.dtype) if lowp else d for d in (dx, dw, db)]
+    grads = grads if after is None else [d * after.to(d.dtype) for d in grads]
+    return [loss.detach().to(x.dtype) if lowp else loss.detach(), *grads]
+
+
+@pytest.mark.conformance(kernel="linear_cross_entropy", prop="float8")
+@pytest.mark.parametrize("recipe", ("tensorwise", "rowwise"))
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=kc.dtype_id)
+def test_float8_head_by_its_recipe(dtype, reduction, recipe):
+    """float8="tensorwise" / "rowwise": the loss and every gradient against the recipe in float64, within twice
+    PyTorch's own run of the same recipe (its float8 GEMMs) plus 1e-3, each as a relative L2 error: the chunk's
+    gradient is cast to float8 after it is rounded to the input's dtype, so a few elements round to a neighbouring
+    float8 value in any low-precision run; the norm weighs them as the loss does. 37 rows (padded to 48 inside),
+    one chunk; kp's own float8 matmul kernel (the route to cuBLAS pinned off) and quantize kernel ran."""
+    n, h, v = 37, 32, 48
+    x = kc.make_input((n, h), dtype, DEVICE, "contiguous", seed=11)
+    weight = kc.make_input((v, h), dtype, DEVICE, "contiguous", scale=0.5, seed=12)
+    bias = kc.make_input((v,), dtype, DEVICE, "contiguous", seed=13)
+    t = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    t[[3, 20]] = -100
+    with kp_core.pinned("scaled_mm_route", cublas=False), kp_core.record_launches() as rec:
+        ours = loss_and_grads(
+            lambda x, w, b: kp_losses.fused_linear_cross_entropy(x, w, t, b, reduction=reduction, float8=recipe),
+            [x, weight, bias],
+            [],
+            seed=15,
+        )
+    kc.assert_kernel_ran(rec, lce_mod.OP, "kp::quantize", "kp::scaled_mm")
+    g = upstream(ours[0], 15)
+    ref = float8_head(x, weight, bias, t, g.double(), recipe, reduction, lowp=False)
+    low = float8_head(x, weight, bias, t, g.float(), recipe, reduction, lowp=True)
+    for name, a, r, lo in zip(("loss", "dinput", "dweight", "dbias"), ours, ref, low):
+        err, bound = (float((u.double() - r).norm() / r.norm()) for u in (a, lo))
+        assert err <= 2 * bound + 1e-3, f"{name}: relative error {err:.3e}, PyTorch's {bound:.3e}"
+    plain = loss_and_grads(
+        lambda x, w, b: kp_losses.fused_linear_cross_entropy(x, w, t, b, reduction=reduction), [x, weight, bias], []
+    )
+    assert not torch.equal(ours[1], plain[1])  # the float8 operands were used
+
+
 # Each compile-time switch of both kernels on and off, forward and backward, in every tier whatever it draws.
 SWITCHES = [dict(weight=w, smoothing=s, softcap=cap) for w in (False, True) for s in (0.0, 0.2) for cap in (None, 5.0)]
 
@@ -421,6 +522,7 @@ CE_TARGETS = [
             ),
             bias=fuzz.Tensor(DTYPES, sized=(0,), words=("input",)),
             chunk_size=fuzz.Scalar(bad=(0, -1, 2.5)),
+            float8=fuzz.Scalar(bad=("blockwise", "e4m3")),
         ),
         torch_fn=lambda input, weight, target, bias, chunk_size: F.cross_entropy(F.linear(input, weight, bias), target),
         zero=lambda d: dict(

@@ -127,3 +127,25 @@ def test_bad_arguments_name_themselves():
         kp_losses.patch("model")
     with pytest.raises(TypeError, match="skip_logits"):
         kp_losses.patch(torch.nn.Linear(2, 2), skip_logits="yes")
+    with pytest.raises(ValueError, match="float8 must be None or one of"):
+        kp_losses.patch(torch.nn.Linear(2, 2), float8="e4m3")
+
+
+def test_float8_head_keeps_a_float8_linears_error():
+    """patch(model, float8=...): the head's GEMMs in float8 (vocabulary 304, hidden 32: multiples of 16); the loss
+    and the head's gradient within 10 % of the model's own (fp32 here, kp-precision's casts need it), quantize ran."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**SMALL, "vocab_size": 304}, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE).train()
+    ids = torch.randint(0, 304, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want, want_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    kp_losses.patch(model, float8="rowwise")
+    with kp_core.record_launches() as rec:
+        got, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    assert "kp::quantize" in {launch.op for launch in rec.launches} and got.logits is None
+    assert abs(float(got.loss) - float(want.loss)) < 0.1 * float(want.loss)
+    head = [i for i, (name, _) in enumerate(model.named_parameters()) if name == "lm_head.weight"][0]
+    rel = float((got_grads[head] - want_grads[head]).norm() / want_grads[head].norm())
+    assert 1e-6 < rel < 0.1, rel
+    kp_losses.unpatch(model)
+    assert not hasattr(model, "_kp_losses_float8")

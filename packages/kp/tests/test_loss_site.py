@@ -105,3 +105,20 @@ def test_uninstalling_a_graph_puts_back_the_forward_it_covered():
     assert model(torch.ones(2)) == "graphed" and model(x=torch.ones(2)) == "patched"
     undo[0][1]()
     assert model.forward is patched and graphs.uninstall(model) is None
+
+
+def test_the_float8_loss_is_checked_against_the_loss_budget_and_patches_the_model_in_float8():
+    model, ids = llama(DEVICE)
+    model.train()
+    name = "kp_losses fused linear cross-entropy, float8 tensorwise"
+    timer = FixedTimer({(SITE, "torch"): 3.0, (SITE, "kp_losses fused linear cross-entropy"): 2.0, (SITE, name): 1.0})
+    report = kp.optimize(model, (ids,), allow=[SITE], timer=timer, report=False)
+    assert report.chosen == {SITE: name}, report.text()
+    tried = {t.name: t for t in report.layers[0].tried}
+    assert "budget 1e-01" in tried[name].error  # lossy: within loss_budget, as the float8 linears
+    assert "2x torch's" in tried["kp_losses fused linear cross-entropy"].error  # lossless: the rule
+    assert model._kp_losses_float8 == "tensorwise"
+    out = model(ids, labels=ids)
+    assert out.logits is None and out.loss.isfinite()
+    kp.restore(model)
+    assert not hasattr(model, "_kp_losses_float8")

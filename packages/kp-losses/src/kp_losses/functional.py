@@ -22,6 +22,7 @@ import torch
 import kp_core
 from kp_losses.ops import cross_entropy as ce_ops
 from kp_losses.ops import linear_cross_entropy as lce_ops
+from kp_losses.ops import linear_cross_entropy_float8 as f8_ops
 
 VALIDATE_TARGETS: bool | str = True
 REDUCTIONS = ("mean", "sum", "none")
@@ -121,6 +122,22 @@ def _later(op: str, bad: torch.Tensor) -> None:
     flag.pending = True
 
 
+def _check_float8(op: str, float8, dtype: torch.dtype, v: int, h: int) -> int:
+    """The op's float8 argument: 0, or 1 + the recipe's index (kp-precision imported, or ImportError)."""
+    if float8 is None:
+        return 0
+    if float8 not in f8_ops.RECIPES:
+        raise ValueError(f"{op}: float8 must be None or one of {f8_ops.RECIPES}, got {float8!r}")
+    if dtype not in f8_ops.DTYPES:
+        raise TypeError(f"{op}: float8 takes float16, bfloat16 or float32 inputs, got {str(dtype)[6:]}")
+    if v % f8_ops.ALIGN or h % f8_ops.ALIGN:
+        raise ValueError(
+            f"{op}: float8 needs weight's dims to be multiples of {f8_ops.ALIGN} (float8 tensor cores), got ({v}, {h})"
+        )
+    f8_ops.kp_precision()
+    return 1 + f8_ops.RECIPES.index(float8)
+
+
 def _check_class_weight(op: str, name: str, weight, c: int, device) -> Optional[torch.Tensor]:
     if weight is None:
         return None
@@ -210,6 +227,7 @@ def fused_linear_cross_entropy(
     softcap: Optional[float] = None,
     chunk_size: Optional[int] = None,
     out_dtype: Optional[torch.dtype] = None,
+    float8: Optional[str] = None,
 ) -> torch.Tensor:
     """cross_entropy(input @ weight.T + bias, target, ...) without the full logits: they are made and consumed in
     chunks of rows (tokens), each chunk's gradient written over its logits and turned into the hidden states' and
@@ -229,6 +247,10 @@ def fused_linear_cross_entropy(
         chunk_size: rows per chunk (None: chosen from the vocabulary, the hidden size and the free memory).
         out_dtype: the loss's dtype (None: input's). The loss is computed in fp32 for fp16/bf16 inputs (fp64 for
             fp32 / fp64) and rounded once to it: torch.float32 gives what transformers computes on `logits.float()`.
+        float8: None, or "tensorwise" / "rowwise": the head's three GEMMs on float8 operands, cast as kp-precision's
+            float8 training recipes cast them (kp_losses.ops.linear_cross_entropy_float8; the `kp-losses[float8]`
+            extra): faster, and a float8 linear's error in the loss and gradients. input float16, bfloat16 or
+            float32; H and V multiples of 16.
 
     Returns:
         The loss in out_dtype: a scalar, or target's shape with reduction="none".
@@ -271,6 +293,7 @@ def fused_linear_cross_entropy(
     options = (ignore_index, float(label_smoothing), float(z_loss), cap, REDUCTIONS.index(reduction))
     if out_dtype is not None and out_dtype not in kp_core.FLOAT_DTYPES:
         raise TypeError(f"{op}: out_dtype must be a floating dtype or None, got {out_dtype}")
-    loss = lce_ops.LINEAR_CROSS_ENTROPY(x, weight, flat, bias, ce_weight, *options, *needs, chunk_size or 0)[0]
+    recipe = _check_float8(op, float8, input.dtype, v, h)
+    loss = lce_ops.LINEAR_CROSS_ENTROPY(x, weight, flat, bias, ce_weight, *options, *needs, chunk_size or 0, recipe)[0]
     loss = loss.reshape(shape) if reduction == "none" else loss
     return loss.to(out_dtype or input.dtype)

@@ -86,6 +86,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         z_loss: float = 0.0,
         softcap: Optional[float] = None,
         chunk_size: Optional[int] = None,
+        float8: Optional[str] = None,
     ):
         super().__init__()
         op = "kp_losses.LinearCrossEntropyLoss"
@@ -93,12 +94,14 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             raise TypeError(f"{op}: head must be a torch.nn.Linear, got {type(head).__name__}")
         F._check_options(op, reduction, label_smoothing, z_loss, softcap, ignore_index)
         F._check_chunk_size(op, chunk_size)
+        if float8 is not None and float8 not in F.f8_ops.RECIPES:
+            raise ValueError(f"{op}: float8 must be None or one of {F.f8_ops.RECIPES}, got {float8!r}")
         if ce_weight is not None:
             kp_core.check_tensor(op, "ce_weight", ce_weight, dtypes=kp_core.FLOAT_DTYPES, ndim=1)
         self.head = head
         self.register_buffer("ce_weight", ce_weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
-        self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
+        self.z_loss, self.softcap, self.chunk_size, self.float8 = z_loss, softcap, chunk_size, float8
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.fused_linear_cross_entropy(
@@ -113,10 +116,11 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             z_loss=self.z_loss,
             softcap=self.softcap,
             chunk_size=self.chunk_size,
+            float8=self.float8,
         )
 
     def extra_repr(self) -> str:
         return (
             f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}, "
-            f"z_loss={self.z_loss}, softcap={self.softcap}, chunk_size={self.chunk_size}"
+            f"z_loss={self.z_loss}, softcap={self.softcap}, chunk_size={self.chunk_size}, float8={self.float8!r}"
         )

@@ -31,6 +31,7 @@ from torch import nn
 
 import kp_core
 from kp_losses import functional
+from kp_losses.ops import linear_cross_entropy_float8 as f8
 
 _ORIGINAL = "_kp_losses_forward"
 # family: the ForCausalLM class names whose forward is `logits = lm_head(hidden[keep])` (+ Gemma's final softcap)
@@ -79,6 +80,7 @@ def _causal_lm_loss(model, hidden: torch.Tensor, labels: torch.Tensor, kwargs: d
         reduction="mean" if items is None else "sum",
         softcap=getattr(model.config, "final_logit_softcapping", None),
         out_dtype=torch.float32,
+        float8=model._kp_losses_float8,
     )
     if items is not None:
         loss = loss / (items.to(loss.device) if torch.is_tensor(items) else items)
@@ -103,13 +105,15 @@ def _forward(self, *args, labels=None, **kwargs):
     return out
 
 
-def patch(model: nn.Module, *, skip_logits: bool | None = None) -> list[str]:
+def patch(model: nn.Module, *, skip_logits: bool | None = None, float8: str | None = None) -> list[str]:
     """Compute `model`'s causal-LM loss with kp_losses.fused_linear_cross_entropy, in place (see the module docstring).
 
     Args:
         model: a Hugging Face causal LM (Llama, Mistral, Qwen 2 / 3, Gemma 1 / 2 / 3 text, Phi-3).
         skip_logits: None: the fused loss (and no logits) when labels are given in training mode; True: whenever
             labels are given; False: never (the patch then changes nothing).
+        float8: None, "tensorwise" or "rowwise": the head's GEMMs in float8 (fused_linear_cross_entropy's float8;
+            the `kp-losses[float8]` extra).
 
     Returns:
         The names of the heads whose loss is fused (["lm_head"]), or [] where the model is not one of those.
@@ -134,12 +138,15 @@ def patch(model: nn.Module, *, skip_logits: bool | None = None) -> list[str]:
     kp_core.check_module(op, "model", model)
     if skip_logits is not None:
         kp_core.check_bool(op, "skip_logits", skip_logits)
+    if float8 is not None and float8 not in f8.RECIPES:
+        raise ValueError(f"{op}: float8 must be None or one of {f8.RECIPES}, got {float8!r}")
     if not patchable(model):
         return []
     if _ORIGINAL not in vars(model):
         setattr(model, _ORIGINAL, model.forward)
         model.forward = types.MethodType(_forward, model)
     model._kp_losses_skip_logits, model._kp_losses_keep = skip_logits, _keep_argument(model)
+    model._kp_losses_float8 = float8
     return ["lm_head"]
 
 
@@ -174,6 +181,6 @@ def unpatch(model: nn.Module) -> list[str]:
     if _ORIGINAL not in vars(model):
         return []
     del model.forward
-    for name in (_ORIGINAL, "_kp_losses_skip_logits", "_kp_losses_keep"):
+    for name in (_ORIGINAL, "_kp_losses_skip_logits", "_kp_losses_keep", "_kp_losses_float8"):
         delattr(model, name)
     return ["lm_head"]

@@ -124,8 +124,21 @@ LINEAR = (
 )
 
 
-# A causal LM's head and loss (kp.loss_site), in training: kp_losses' fused loss, lossless (the conformance rule).
-LOSS = Candidate("kp_losses fused linear cross-entropy", "losses", FusedLoss, modes=("train",))
+# A causal LM's head and loss (kp.loss_site), in training: kp_losses' fused loss, lossless (the conformance rule),
+# and with its head's GEMMs in float8 (family "float8": checked against loss_budget, as the float8 linears)
+LOSSES = (
+    Candidate("kp_losses fused linear cross-entropy", "losses", FusedLoss, modes=("train",)),
+    *(
+        Candidate(
+            f"kp_losses fused linear cross-entropy, float8 {recipe}",
+            "float8",
+            lambda m, r=recipe: FusedLoss(m, float8=r),
+            lossy=True,
+            modes=("train",),
+        )
+        for recipe in ("tensorwise", "rowwise")
+    ),
+)
 
 
 def kind_of(module: nn.Module) -> str | None:
@@ -145,7 +158,7 @@ def candidates(kind: str, mode: str) -> list[Candidate]:
     if kind == "linear":
         return [c for c in LINEAR if mode in c.modes]
     if kind == LOSS_KIND:
-        return [c for c in (LOSS,) if mode in c.modes]
+        return [c for c in LOSSES if mode in c.modes]
     if kind == "attention":
         fa4 = torch.cuda.is_available() and attention_fa4.unavailable(torch.device("cuda")) is None
         return [c for c in ATTENTION if fa4 or c is ATTENTION[0]]

@@ -347,7 +347,7 @@ def optimize(
             gain = layer.torch_ms - next(t.ms for t in layer.tried if t.name == layer.choice)
             family = next(c.family for c in cands if c.name == layer.choice)
             if site.kind == loss_site.KIND:  # the model patched (kp_losses), not a module swapped
-                apply = functools.partial(loss_site.apply, name=site.name)
+                apply = functools.partial(loss_site.apply, name=site.name, float8=passed[layer.choice].float8)
                 swaps.append(Swap(site.name, -1, gain, apply, family))
             else:
                 swaps.append(_module_swap(site, passed[layer.choice], gain, family))

@@ -43,17 +43,23 @@ class TorchLoss(nn.Module):
 
 
 class FusedLoss(nn.Module):
-    """The same loss by kp_losses.fused_linear_cross_entropy from lm_head's parameters (shared, not copied): what
-    kp_losses.patch makes the model compute."""
+    """The same loss by kp_losses.fused_linear_cross_entropy from lm_head's parameters (shared, not copied), its
+    head in float8 by a recipe or not: what kp_losses.patch(model, float8=...) makes the model compute."""
 
-    def __init__(self, torch_loss: TorchLoss):
+    def __init__(self, torch_loss: TorchLoss, float8: str | None = None):
         super().__init__()
-        self.lm_head, self.softcap = torch_loss.lm_head, torch_loss.softcap
+        self.lm_head, self.softcap, self.float8 = torch_loss.lm_head, torch_loss.softcap, float8
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
         return kp_losses.fused_linear_cross_entropy(
-            hidden, head.weight, labels.flatten(), head.bias, softcap=self.softcap, out_dtype=torch.float32
+            hidden,
+            head.weight,
+            labels.flatten(),
+            head.bias,
+            softcap=self.softcap,
+            out_dtype=torch.float32,
+            float8=self.float8,
         )
 
 
@@ -79,8 +85,9 @@ def site(model: nn.Module, head_site: Site, example_inputs: tuple) -> Site | Non
     return Site(f"{head_site.name} + {NAME}", TorchLoss(lm), KIND, args)
 
 
-def apply(model: nn.Module, undo: list, name: str) -> None:
-    """kp_losses.patch on the model's causal LM, its undo appended under the site's name."""
+def apply(model: nn.Module, undo: list, name: str, float8: str | None) -> None:
+    """kp_losses.patch on the model's causal LM (its head in float8 by that recipe, or not), its undo appended
+    under the site's name."""
     lm = root(model)
-    kp_losses.patch(lm)
+    kp_losses.patch(lm, float8=float8)
     undo.append((name, lambda: kp_losses.unpatch(lm)))

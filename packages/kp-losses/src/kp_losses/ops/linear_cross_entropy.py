@@ -16,6 +16,9 @@ backward scales them by the loss's actual gradient (a scalar): three GEMMs in al
 the rows' gradients differ, so the forward keeps only the losses and the backward recomputes each chunk's logits
 with them (four GEMMs). What is not needed (input, weight or bias without requires_grad) is not computed.
 
+With `float8` (the op's last argument: 0, or a recipe of kp_losses.ops.linear_cross_entropy_float8) the three
+GEMMs run on float8 operands (kp-precision's quantize and scaled_mm), rows padded to a multiple of 16.
+
 The peak memory is one chunk of logits (plus the fp32 sums of d(weight), d(bias)) instead of (rows, V) logits,
 their gradient and torch's fp32 softmax. Spec: conformance/specs/test_cross_entropy.py (kernel
 "linear_cross_entropy").
@@ -25,9 +28,11 @@ import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 import kp_core
 from kp_losses.ops import cross_entropy as ce
+from kp_losses.ops import linear_cross_entropy_float8 as f8
 
 OP = "kp::linear_cross_entropy"
 OP_BWD = f"{OP}_backward"
@@ -78,35 +83,51 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
-def _run(op, x, weight, target, bias, ce_weight, options, scale, needs, requested):
+def _run(op, x, weight, target, bias, ce_weight, options, scale, needs, requested, float8):
     """(loss per row, dinput, dweight, dbias) over chunks of rows; scale (rows,): each row's loss gradient, or None
-    for the losses alone. The gradients needed (`needs`) come back, the others None."""
+    for the losses alone. The gradients needed (`needs`) come back, the others None. float8: 0, or the float8
+    recipe's number (linear_cross_entropy_float8)."""
     ignore_index, smoothing, z_loss, softcap = options
     n, h = x.shape
     v = weight.shape[0]
-    rows = torch.empty(n, dtype=ce.row_dtype(x.dtype), device=x.device)
-    stats = torch.empty((n, 2), dtype=rows.dtype, device=x.device)
     need_x, need_w, need_b = needs if scale is not None else (False, False, False)
+    head, pad = None, 0
+    if float8:  # rows padded to the float8 GEMMs' multiple: zeros, their targets ignored, their gradients 0
+        head, pad = f8.Head(weight, float8, need_x), -n % f8.ALIGN
+        x, target = F.pad(x, (0, 0, 0, pad)), F.pad(target, (0, pad), value=ignore_index)
+        scale = None if scale is None else F.pad(scale, (0, pad))
+    rows = torch.empty(n + pad, dtype=ce.row_dtype(x.dtype), device=x.device)
+    stats = torch.empty((n + pad, 2), dtype=rows.dtype, device=x.device)
     acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
     dx = x.new_empty(x.shape) if need_x else None
     dw = torch.zeros(v, h, dtype=acc, device=x.device) if need_w else None
     db = torch.zeros(v, dtype=acc, device=x.device) if need_b else None
     step = chunk_rows(n, v, x.element_size(), x.device, requested)
-    for start in range(0, n, step):
-        end = min(start + step, n)
+    step = -(-step // f8.ALIGN) * f8.ALIGN if float8 else step
+    for start in range(0, n + pad, step):
+        end = min(start + step, n + pad)
         xc, tc = x[start:end], target[start:end]
-        logits = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
+        if head is not None:
+            logits, qx = head.logits(xc, bias, x.dtype)
+        else:
+            logits = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
         ce.launch_forward(op, logits, tc, ce_weight, rows[start:end], stats[start:end], *options)
         if scale is None or not any(needs):
             continue
         ce.launch_backward(op, scale[start:end], logits, logits, tc, ce_weight, stats[start:end], *options)
-        if need_x:
-            torch.mm(logits, weight, out=dx[start:end])
-        if need_w:
-            _accumulate(dw, logits.t(), xc)
+        if head is not None:
+            part = head.grads(logits, xc, qx, dx[start:end] if need_x else None, need_w, x.dtype)
+            if need_w:
+                dw += part
+        else:
+            if need_x:
+                torch.mm(logits, weight, out=dx[start:end])
+            if need_w:
+                _accumulate(dw, logits.t(), xc)
         if need_b:
             db += logits.sum(0, dtype=acc)
-    return rows, dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
+    dx = None if dx is None else dx[:n]
+    return rows[:n], dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
 
 
 def forward(
@@ -124,6 +145,7 @@ def forward(
     need_weight: bool,
     need_bias: bool,
     chunk_size: int,
+    float8: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dinput, dweight, dbias): the loss reduced (a 0-d tensor) or per row ("none"), fp32 for fp16/bf16; the
     gradients for a loss gradient of 1 where the reduction is "mean" or "sum" and they are needed, else None."""
@@ -135,7 +157,7 @@ def forward(
     if reduction != NONE and any(needs):
         scale = torch.ones((), dtype=dtype, device=input.device)
         scale = (scale if denom is None else scale / denom).expand(input.shape[0])
-    rows, dx, dw, db = _run(OP, input, weight, target, bias, ce_weight, options, scale, needs, chunk_size)
+    rows, dx, dw, db = _run(OP, input, weight, target, bias, ce_weight, options, scale, needs, chunk_size, float8)
     if reduction == NONE:
         return rows, None, None, None
     loss = rows.sum()
@@ -161,21 +183,22 @@ def backward(
     need_weight: bool,
     need_bias: bool,
     chunk_size: int,
+    float8: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dinput, dweight, dbias): the forward's scaled by the loss's gradient, or ("none") recomputed per chunk with
     each row's."""
     needs = (need_input, need_weight, need_bias and bias is not None)
     if reduction == NONE:
         options = (ignore_index, label_smoothing, z_loss, softcap)
-        return _run(OP_BWD, input, weight, target, bias, ce_weight, options, grad_loss, needs, chunk_size)[1:]
+        return _run(OP_BWD, input, weight, target, bias, ce_weight, options, grad_loss, needs, chunk_size, float8)[1:]
     return tuple(None if g is None else g * grad_loss.to(g.dtype) for g in (dinput, dweight, dbias))
 
 
 # ---- declaration ----
 
 
-def _fake(input, weight, target, bias, ce_weight, ignore_index, smoothing, z_loss, softcap, reduction, *needs_chunk):
-    need_x, need_w, need_b, _ = needs_chunk
+def _fake(input, weight, target, bias, ce_weight, ignore_index, smoothing, z_loss, softcap, reduction, *needs_etc):
+    need_x, need_w, need_b = needs_etc[:3]  # then chunk_size, float8
     dtype = ce.row_dtype(input.dtype)
     loss = input.new_empty(input.shape[0] if reduction == NONE else (), dtype=dtype)
     if reduction == NONE:
@@ -189,7 +212,7 @@ def _grads_like(input, weight, bias, need_x, need_w, need_b) -> tuple:
 
 
 def _backward_fake(grad_loss, input, weight, target, bias, ce_weight, dinput, dweight, dbias, *constants):
-    need_x, need_w, need_b, _ = constants[-4:]
+    need_x, need_w, need_b = constants[-5:-2]  # then chunk_size, float8
     return _grads_like(input, weight, bias, need_x, need_w, need_b)
 
 
