@@ -122,12 +122,17 @@ def _later(op: str, bad: torch.Tensor) -> None:
     flag.pending = True
 
 
+def _check_recipe(op: str, float8) -> None:
+    """float8 is None or a recipe name (the float8 option of the function, the module and patch)."""
+    if float8 is not None and float8 not in f8_ops.RECIPES:
+        raise ValueError(f"{op}: float8 must be None or one of {f8_ops.RECIPES}, got {float8!r}")
+
+
 def _check_float8(op: str, float8, dtype: torch.dtype, v: int, h: int) -> int:
     """The op's float8 argument: 0, or 1 + the recipe's index (kp-precision imported, or ImportError)."""
     if float8 is None:
         return 0
-    if float8 not in f8_ops.RECIPES:
-        raise ValueError(f"{op}: float8 must be None or one of {f8_ops.RECIPES}, got {float8!r}")
+    _check_recipe(op, float8)
     if dtype not in f8_ops.DTYPES:
         raise TypeError(f"{op}: float8 takes float16, bfloat16 or float32 inputs, got {str(dtype)[6:]}")
     if v % f8_ops.ALIGN or h % f8_ops.ALIGN:

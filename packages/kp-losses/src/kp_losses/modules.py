@@ -94,8 +94,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             raise TypeError(f"{op}: head must be a torch.nn.Linear, got {type(head).__name__}")
         F._check_options(op, reduction, label_smoothing, z_loss, softcap, ignore_index)
         F._check_chunk_size(op, chunk_size)
-        if float8 is not None and float8 not in F.f8_ops.RECIPES:
-            raise ValueError(f"{op}: float8 must be None or one of {F.f8_ops.RECIPES}, got {float8!r}")
+        F._check_recipe(op, float8)
         if ce_weight is not None:
             kp_core.check_tensor(op, "ce_weight", ce_weight, dtypes=kp_core.FLOAT_DTYPES, ndim=1)
         self.head = head

@@ -31,7 +31,6 @@ from torch import nn
 
 import kp_core
 from kp_losses import functional
-from kp_losses.ops import linear_cross_entropy_float8 as f8
 
 _ORIGINAL = "_kp_losses_forward"
 # family: the ForCausalLM class names whose forward is `logits = lm_head(hidden[keep])` (+ Gemma's final softcap)
@@ -138,8 +137,7 @@ def patch(model: nn.Module, *, skip_logits: bool | None = None, float8: str | No
     kp_core.check_module(op, "model", model)
     if skip_logits is not None:
         kp_core.check_bool(op, "skip_logits", skip_logits)
-    if float8 is not None and float8 not in f8.RECIPES:
-        raise ValueError(f"{op}: float8 must be None or one of {f8.RECIPES}, got {float8!r}")
+    functional._check_recipe(op, float8)
     if not patchable(model):
         return []
     if _ORIGINAL not in vars(model):
