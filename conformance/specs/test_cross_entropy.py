@@ -257,9 +257,9 @@ class _Cast:
     """An operand cast by a recipe (kp_conformance.references.quantize_fp8, plain PyTorch): its float8 data and
     every element's scale; dequantised exactly in float64, or multiplied by PyTorch's float8 GEMM."""
 
-    def __init__(self, t, fp8, rowwise):
+    def __init__(self, t, fp8, rowwise, given=None):
         gran = "rowwise" if rowwise else "tensorwise"
-        self.data, scale, _ = quantize_fp8(t.contiguous(), fp8, gran, power_of_2=rowwise)
+        self.data, scale, _ = quantize_fp8(t.contiguous(), fp8, gran, given=given, power_of_2=rowwise)
         self.scale = scale_of_each(self.data, scale, gran)
 
     def t(self):
@@ -289,11 +289,15 @@ def float8_head(x, weight, bias, t, g, recipe, reduction, lowp):
     after = g.to(loss.dtype) if reduction != "none" else None
     (dz,) = torch.autograd.grad(loss, z, torch.ones_like(loss) if after is not None else g.to(loss.dtype))
     dz = dz.to(x.dtype) if lowp else dz  # ours: the kernels write it over the logits, in their dtype
-    qg = _Cast(dz, grad8, rowwise)
+    given = None
+    if not rowwise:  # g's scale: the power of two above its bound, |softmax - target| <= 1 x the row's gradient
+        rows = g.abs().amax() if after is None else 1 / (t != -100).sum()
+        given = torch.exp2(torch.ceil(torch.log2(rows.float() / torch.finfo(E5M2).max)))
+    qg = _Cast(dz, grad8, rowwise, given)
     w_dx = _Cast(weight.t(), E4M3, True).t() if rowwise else qw
     dx = qg.mm(w_dx, lowp)
-    if rowwise:
-        dw = _Cast(dz.t(), grad8, True).mm(_Cast(x.t(), E4M3, True).t(), lowp)
+    if rowwise:  # d(weight) in the input's dtype (its contraction crosses the chunks)
+        dw = dz.t().to(x.dtype).float() @ x.float() if lowp else dz.t() @ x.double()
     else:
         dw = qg.t().mm(qx, lowp)
     db = dz.sum(0, dtype=torch.float32 if lowp else torch.float64)
@@ -306,12 +310,14 @@ def float8_head(x, weight, bias, t, g, recipe, reduction, lowp):
 @pytest.mark.parametrize("recipe", ("tensorwise", "rowwise"))
 @pytest.mark.parametrize("reduction", ("mean", "none"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=kc.dtype_id)
-def test_float8_head_by_its_recipe(dtype, reduction, recipe):
+@pytest.mark.parametrize("chunk", (None, 16), ids=("one-chunk", "three-chunks"))
+def test_float8_head_by_its_recipe(dtype, reduction, recipe, chunk):
     """float8="tensorwise" / "rowwise": the loss and every gradient against the recipe in float64, within twice
     PyTorch's own run of the same recipe (its float8 GEMMs) plus 1e-3, each as a relative L2 error: the chunk's
     gradient is cast to float8 after it is rounded to the input's dtype, so a few elements round to a neighbouring
     float8 value in any low-precision run; the norm weighs them as the loss does. 37 rows (padded to 48 inside),
-    one chunk; kp's own float8 matmul kernel (the route to cuBLAS pinned off) and quantize kernel ran."""
+    one chunk or three (the recipe does not depend on the chunks: x cast whole, g's scale from its bound, d(weight)
+    over every row); kp's own float8 matmul kernel (the route to cuBLAS pinned off) and quantize kernel ran."""
     n, h, v = 37, 32, 48
     x = kc.make_input((n, h), dtype, DEVICE, "contiguous", seed=11)
     weight = kc.make_input((v, h), dtype, DEVICE, "contiguous", scale=0.5, seed=12)
@@ -320,7 +326,9 @@ def test_float8_head_by_its_recipe(dtype, reduction, recipe):
     t[[3, 20]] = -100
     with kp_core.pinned("scaled_mm_route", cublas=False), kp_core.record_launches() as rec:
         ours = loss_and_grads(
-            lambda x, w, b: kp_losses.fused_linear_cross_entropy(x, w, t, b, reduction=reduction, float8=recipe),
+            lambda x, w, b: kp_losses.fused_linear_cross_entropy(
+                x, w, t, b, reduction=reduction, float8=recipe, chunk_size=chunk
+            ),
             [x, weight, bias],
             [],
             seed=15,

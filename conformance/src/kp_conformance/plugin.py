@@ -168,6 +168,11 @@ def pytest_sessionstart(session):
     _progress("session", "start")  # to the first test's start: the workers' start-up and collection
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    census.testing(item.module)  # before its fixtures, which launch kernels too
+
+
 def pytest_runtest_logstart(nodeid, location):
     compiles.running(nodeid)
     _progress("start", nodeid)
@@ -217,7 +222,7 @@ def _census_cells(session, whole: bool) -> list[dict]:
         return []
     gaps = census.gaps()
     cells = []
-    for module in sorted({k.split(":")[0] for k in census.data()["seen"]}):
+    for module in census.touched():
         missing = [g for g in gaps if g.startswith(f"{module}:")]
         status = "fail" if missing else "pass"
         cells.append(

@@ -16,8 +16,9 @@ backward scales them by the loss's actual gradient (a scalar): three GEMMs in al
 the rows' gradients differ, so the forward keeps only the losses and the backward recomputes each chunk's logits
 with them (four GEMMs). What is not needed (input, weight or bias without requires_grad) is not computed.
 
-With `float8` (the op's last argument: 0, or a recipe of kp_losses.ops.linear_cross_entropy_float8) the three
-GEMMs run on float8 operands (kp-precision's quantize and scaled_mm), rows padded to a multiple of 16.
+With `float8` (the op's last argument: 0, or a recipe of kp_losses.ops.linear_cross_entropy_float8) the GEMMs
+run on float8 operands (kp-precision's quantize and scaled_mm), rows padded to a multiple of 16; tensorwise,
+d(weight) is one float8 GEMM over every chunk's float8 gradient after the last chunk (no fp32 sum).
 
 The peak memory is one chunk of logits (plus the fp32 sums of d(weight), d(bias)) instead of (rows, V) logits,
 their gradient and torch's fp32 softmax. Spec: conformance/specs/test_cross_entropy.py (kernel
@@ -93,14 +94,19 @@ def _run(op, x, weight, target, bias, ce_weight, options, scale, needs, requeste
     need_x, need_w, need_b = needs if scale is not None else (False, False, False)
     head, pad = None, 0
     if float8:  # rows padded to the float8 GEMMs' multiple: zeros, their targets ignored, their gradients 0
-        head, pad = f8.Head(weight, float8, need_x), -n % f8.ALIGN
+        pad = -n % f8.ALIGN
         x, target = F.pad(x, (0, 0, 0, pad)), F.pad(target, (0, pad), value=ignore_index)
         scale = None if scale is None else F.pad(scale, (0, pad))
+        g_scale = None
+        if need_w and f8.RECIPES[float8 - 1] == "tensorwise":
+            g_scale = f8.grad_scale(x, weight, bias, ce_weight, scale, z_loss, softcap, v)
+        head = f8.Head(x, weight, float8, need_x, need_w, g_scale)
     rows = torch.empty(n + pad, dtype=ce.row_dtype(x.dtype), device=x.device)
     stats = torch.empty((n + pad, 2), dtype=rows.dtype, device=x.device)
     acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
     dx = x.new_empty(x.shape) if need_x else None
-    dw = torch.zeros(v, h, dtype=acc, device=x.device) if need_w else None
+    fp8_dw = head is not None and head.gt is not None  # d(weight) one float8 GEMM after the chunks
+    dw = torch.zeros(v, h, dtype=acc, device=x.device) if need_w and not fp8_dw else None
     db = torch.zeros(v, dtype=acc, device=x.device) if need_b else None
     step = chunk_rows(n, v, x.element_size(), x.device, requested)
     step = -(-step // f8.ALIGN) * f8.ALIGN if float8 else step
@@ -108,7 +114,7 @@ def _run(op, x, weight, target, bias, ce_weight, options, scale, needs, requeste
         end = min(start + step, n + pad)
         xc, tc = x[start:end], target[start:end]
         if head is not None:
-            logits, qx = head.logits(xc, bias, x.dtype)
+            logits = head.logits(start, end, bias, x.dtype)
         else:
             logits = torch.mm(xc, weight.t()) if bias is None else torch.addmm(bias, xc, weight.t())
         ce.launch_forward(op, logits, tc, ce_weight, rows[start:end], stats[start:end], *options)
@@ -116,16 +122,15 @@ def _run(op, x, weight, target, bias, ce_weight, options, scale, needs, requeste
             continue
         ce.launch_backward(op, scale[start:end], logits, logits, tc, ce_weight, stats[start:end], *options)
         if head is not None:
-            part = head.grads(logits, xc, qx, dx[start:end] if need_x else None, need_w, x.dtype)
-            if need_w:
-                dw += part
-        else:
-            if need_x:
-                torch.mm(logits, weight, out=dx[start:end])
-            if need_w:
-                _accumulate(dw, logits.t(), xc)
+            head.grads(logits, start, end, dx[start:end] if need_x else None, x.dtype)
+        elif need_x:
+            torch.mm(logits, weight, out=dx[start:end])
+        if dw is not None:
+            _accumulate(dw, logits.t(), xc)
         if need_b:
             db += logits.sum(0, dtype=acc)
+    if fp8_dw:
+        dw = head.weight_grad(weight.dtype)
     dx = None if dx is None else dx[:n]
     return rows[:n], dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
 
