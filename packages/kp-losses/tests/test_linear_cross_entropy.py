@@ -137,6 +137,10 @@ def test_chunk_rows():
     rows = lce.chunk_rows(100000, 128256, 2, torch.device("cpu"), 0)
     assert rows % lce.ROW_MULTIPLE == 0 and rows * 128256 * 2 <= lce.CHUNK_BYTES
     assert lce.chunk_rows(10, 1 << 30, 2, torch.device("cpu"), 0) == 1  # one row's logits over budget: one row
+    # every row in one chunk where the logits take no more than the fp32 sum of d(weight) plus a chunk
+    sum_bytes = 128256 * 4096 * 4
+    assert lce.chunk_rows(8192, 128256, 2, torch.device("cpu"), 0, sum_bytes) == 8192
+    assert lce.chunk_rows(16384, 32000, 2, torch.device("cpu"), 0, 32000 * 2048 * 4) < 16384
 
 
 BAD = [

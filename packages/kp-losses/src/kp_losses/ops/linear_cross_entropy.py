@@ -42,20 +42,24 @@ MEAN, SUM, NONE = 0, 1, 2  # the op's `reduction` (kp_losses.functional.REDUCTIO
 # A chunk's logits: CHUNK_BYTES, at most a quarter of the free memory; rows a multiple of ROW_MULTIPLE (the GEMMs'
 # tiles). H200, 8192 x 4096 x 128256 bf16, forward + backward: chunks of 512 / 1024 / 2048 / 4096 rows (125 MiB to
 # 1 GiB of logits) took 51.5 / 43.2 / 39.1 / 39.0 ms (the three GEMMs alone: 38.0 ms), the peak growing with the
-# chunk: 512 MiB (2048 rows there) is where the time stops falling.
+# chunk: 512 MiB (2048 rows there) is where the time stops falling. Every chunk adds its d(weight) product into an
+# fp32 sum (read and written whole each time: 4 GiB a chunk there), so where all the logits take no more memory
+# than that sum plus one chunk, one chunk of every row is taken and d(weight) is one GEMM.
 CHUNK_BYTES = 512 << 20
 ROW_MULTIPLE = 128
 
 
-def chunk_rows(n: int, v: int, element_size: int, device: torch.device, requested: int) -> int:
-    """Rows per chunk: `requested` (> 0), else CHUNK_BYTES of logits or a quarter of the free memory, whichever is
-    smaller, in multiples of ROW_MULTIPLE; at least one row, at most n."""
+def chunk_rows(n: int, v: int, element_size: int, device: torch.device, requested: int, sum_bytes: int = 0) -> int:
+    """Rows per chunk: `requested` (> 0); else every row where their logits take at most CHUNK_BYTES more than
+    the fp32 sum of d(weight) that chunks need (`sum_bytes`; one chunk needs none: d(weight) is one GEMM), else
+    CHUNK_BYTES of logits; at most a quarter of the free memory, in multiples of ROW_MULTIPLE; at least one row,
+    at most n."""
     if requested > 0:
         return max(1, min(requested, n))
-    budget = CHUNK_BYTES
-    if device.type == "cuda":
-        budget = min(budget, torch.cuda.mem_get_info(device)[0] // 4)
-    rows = budget // max(1, v * element_size)
+    free = torch.cuda.mem_get_info(device)[0] // 4 if device.type == "cuda" else CHUNK_BYTES + sum_bytes
+    if n * v * element_size <= min(CHUNK_BYTES + sum_bytes, free):
+        return max(1, n)
+    rows = min(CHUNK_BYTES, free) // max(1, v * element_size)
     rows = rows // ROW_MULTIPLE * ROW_MULTIPLE or max(1, min(rows, ROW_MULTIPLE))
     return max(1, min(rows, n))
 
@@ -106,10 +110,12 @@ def _run(op, x, weight, target, bias, ce_weight, options, scale, needs, requeste
     acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
     dx = x.new_empty(x.shape) if need_x else None
     fp8_dw = head is not None and head.gt is not None  # d(weight) one float8 GEMM after the chunks
-    dw = torch.zeros(v, h, dtype=acc, device=x.device) if need_w and not fp8_dw else None
-    db = torch.zeros(v, dtype=acc, device=x.device) if need_b else None
-    step = chunk_rows(n, v, x.element_size(), x.device, requested)
+    sum_bytes = v * h * 4 if need_w and acc != weight.dtype and not fp8_dw else 0
+    step = chunk_rows(n, v, x.element_size(), x.device, requested, sum_bytes)
     step = -(-step // f8.ALIGN) * f8.ALIGN if float8 else step
+    one = step >= n + pad > 0  # one chunk: d(weight) one GEMM into the weight's dtype, no fp32 sum
+    dw = torch.zeros(v, h, dtype=acc, device=x.device) if need_w and not (fp8_dw or one) else None
+    db = torch.zeros(v, dtype=acc, device=x.device) if need_b else None
     for start in range(0, n + pad, step):
         end = min(start + step, n + pad)
         xc, tc = x[start:end], target[start:end]
@@ -127,6 +133,8 @@ def _run(op, x, weight, target, bias, ce_weight, options, scale, needs, requeste
             torch.mm(logits, weight, out=dx[start:end])
         if dw is not None:
             _accumulate(dw, logits.t(), xc)
+        elif need_w and not fp8_dw:
+            dw = torch.mm(logits.t(), xc)
         if need_b:
             db += logits.sum(0, dtype=acc)
     if fp8_dw:
