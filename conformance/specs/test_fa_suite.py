@@ -105,8 +105,11 @@ def _run(tmp_path, *args):
 def test_plugin_samples_resolves_and_counts(tmp_path):
     done, counts = _run(tmp_path, "--fa-sample", "0")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert counts == {"test_resolves_to_kp": {"passed": 10}, "test_skips": {"skipped": 6}, "test_a_call": {"passed": 1}}
+    skips = {"skipped": 6, "skip reasons": {"not here": 6}}  # the suite's own skips, with their message
+    assert counts == {"test_resolves_to_kp": {"passed": 10}, "test_skips": skips, "test_a_call": {"passed": 1}}
     assert "left out: test_flash_attn_generator_arg_must_be_none" in done.stdout
+    done, in_workers = _run(tmp_path, "--fa-sample", "0", "-n", "2")  # under xdist the controller counts alike
+    assert done.returncode == 0 and in_workers == counts, done.stdout[-3000:] + done.stderr[-3000:]
     done, counts = _run(tmp_path, "--fa-sample", "5", "--fa-seed", "3", "-rA")
     assert sum(sum(c.values()) for c in counts.values()) == 5
     # the sample: 5 of the 16 public cases, in collection order, by the seed's draw

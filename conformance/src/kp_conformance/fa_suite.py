@@ -54,7 +54,6 @@ def pytest_configure(config):
     for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
         if not name.startswith("flash_attn.cute"):
             del sys.modules[name]  # an installed FlashAttention must not stand in for kp's
-    config._kp_fa_reasons = collections.defaultdict(collections.Counter)
     if chosen.startswith("torch"):
         import flash_attn  # the shim
 
@@ -98,8 +97,6 @@ def pytest_runtest_call(item):
         return (yield)
     except ValueError as e:
         if "cannot take this call" in str(e):
-            why = str(e).split("cannot take this call: ", 1)[-1][:120]
-            item.config._kp_fa_reasons[_function(item)][why] += 1
             pytest.skip(str(e)[:200])
         raise
 
@@ -123,14 +120,26 @@ def pytest_collection_modifyitems(session, config, items):
         items[:] = kept
 
 
+def _skip_reason(report) -> str:
+    """A skip's reason: why the backend cannot take the call, or the skip's own message (FlashAttention's tests
+    skip cases of their own); read from the report, so it reaches the controller under xdist."""
+    text = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    text = text.removeprefix("Skipped: ")
+    return text.split("cannot take this call: ", 1)[-1][:120]
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    reasons: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for outcome in ("passed", "failed", "skipped", "error"):
         for report in terminalreporter.stats.get(outcome, []):
             # a case's outcome: its call, or its setup where that skipped or failed it (there is no call then)
             when = getattr(report, "when", None)
             if hasattr(report, "nodeid") and (when == "call" or (when == "setup" and outcome != "passed")):
-                counts[report.nodeid.split("::")[-1].split("[")[0]][outcome] += 1
+                name = report.nodeid.split("::")[-1].split("[")[0]
+                counts[name][outcome] += 1
+                if outcome == "skipped":
+                    reasons[name][_skip_reason(report)] += 1
     info = getattr(config, "_kp_fa", {})
     tr = terminalreporter
     tr.section(f"FlashAttention's tests against kp_attention.flash_attn, backend {config.getoption('--fa-backend')}")
@@ -144,7 +153,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for name in sorted(counts):
         c = counts[name]
         tr.write_line(f"{name:48s} {c['passed']:7d} {c['failed']:7d} {c['skipped']:8d} {c['error']:6d}")
-    reasons = getattr(config, "_kp_fa_reasons", {})
     for name in sorted(reasons):
         for why, n in reasons[name].most_common(3):
             tr.write_line(f"skipped {name}: {n} x {why}")
