@@ -8,7 +8,7 @@ through kp-precision's quantize and scaled_mm (the `kp-losses[float8]` extra):
 "tensorwise": one scale per tensor, x and w float8_e4m3fn, g float8_e5m2 (its range wider than its precision
 needs), the float8 data of w and x transposed for the backward rather than cast again (torchao's tensorwise
 recipe, kp_precision.Float8Config("tensorwise")). d(weight) sums over every chunk's rows, so g's scale cannot be
-each chunk's amax: it is the power of two above g's bound (each element of the chunk's gradient is at most its
+each chunk's amax: it is g's bound over e5m2's largest value (each element of the chunk's gradient is at most its
 row's loss gradient x the largest class weight x (1 + 2 z_loss |logsumexp|), the logits bounded by the softcap or
 by |x| |w| + |bias|), e5m2's 32 binades leaving room for the slack; every chunk's float8 g.T is kept (one byte per
 logit: half the fp32 sum of d(weight) the other heads keep) and d(weight) is one GEMM, rounded once.
@@ -52,8 +52,10 @@ def _transpose(t: torch.Tensor) -> torch.Tensor:
 
 
 def grad_scale(x, weight, bias, ce_weight, row_scale, z_loss: float, softcap: float, v: int) -> torch.Tensor:
-    """g's tensorwise dequantisation scale (a power of two, 0-d, on the device, no sync): its bound over e5m2's
-    largest value. |d loss / d logit| <= the row's loss gradient x the largest |class weight| (and 1) x (1 + 2 z
+    """g's tensorwise dequantisation scale (0-d, on the device, no sync): its bound over e5m2's largest value, as
+    a dynamic scale is the amax over it (the bound is the amax where a row's target has a small probability; a
+    power of two above it lost up to a binade of e5m2's subnormals: 5.6 % against 5.3 % relative error on a test
+    problem). |d loss / d logit| <= the row's loss gradient x the largest |class weight| (and 1) x (1 + 2 z
     |lse|), |lse| <= the largest |logit| + log V; a softcap's derivative is at most 1."""
     bound = row_scale.abs().amax().float()
     if ce_weight is not None:
@@ -66,8 +68,7 @@ def grad_scale(x, weight, bias, ce_weight, row_scale, z_loss: float, softcap: fl
             logit = math.prod(norms)
             logit = logit + (0 if bias is None else bias.float().abs().amax())
         bound = bound * (1 + 2 * abs(z_loss) * (logit + math.log(v)))
-    fmax = torch.finfo(E5M2).max
-    return torch.exp2(torch.ceil(torch.log2(bound.clamp(min=1e-30) / fmax)))
+    return bound.clamp(min=1e-30) / torch.finfo(E5M2).max
 
 
 class Head:
