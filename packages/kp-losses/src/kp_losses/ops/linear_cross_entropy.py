@@ -20,9 +20,9 @@ With `float8` (the op's last argument: 0, or a recipe of kp_losses.ops.linear_cr
 run on float8 operands (kp-precision's quantize and scaled_mm), rows padded to a multiple of 16; tensorwise,
 d(weight) is one float8 GEMM over every chunk's float8 gradient after the last chunk (no fp32 sum).
 
-The peak memory is one chunk of logits (plus the fp32 sums of d(weight), d(bias)) instead of (rows, V) logits,
-their gradient and torch's fp32 softmax. Spec: conformance/specs/test_cross_entropy.py (kernel
-"linear_cross_entropy").
+The peak memory is one chunk of logits (plus the fp32 sum of d(bias), and over several chunks that of d(weight))
+instead of (rows, V) logits, their gradient and torch's fp32 softmax. Spec: conformance/specs/test_cross_entropy.py
+(kernel "linear_cross_entropy").
 """
 
 import functools
@@ -56,10 +56,13 @@ def chunk_rows(n: int, v: int, element_size: int, device: torch.device, requeste
     at most n."""
     if requested > 0:
         return max(1, min(requested, n))
-    free = torch.cuda.mem_get_info(device)[0] // 4 if device.type == "cuda" else CHUNK_BYTES + sum_bytes
-    if n * v * element_size <= min(CHUNK_BYTES + sum_bytes, free):
+    whole, budget = CHUNK_BYTES + sum_bytes, CHUNK_BYTES
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] // 4
+        whole, budget = min(whole, free), min(budget, free)
+    if n * v * element_size <= whole:
         return max(1, n)
-    rows = min(CHUNK_BYTES, free) // max(1, v * element_size)
+    rows = budget // max(1, v * element_size)
     rows = rows // ROW_MULTIPLE * ROW_MULTIPLE or max(1, min(rows, ROW_MULTIPLE))
     return max(1, min(rows, n))
 
